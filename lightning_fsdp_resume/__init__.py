@@ -1,0 +1,113 @@
+"""Sharded FSDP checkpoints and resume for Lightning 2.0.x, the way Lightning 2.1 does them.
+
+``import lightning_fsdp_resume`` patches ``FSDPStrategy`` of ``lightning.pytorch`` and of
+``pytorch_lightning`` when (or if already) they are imported. Lightning 2.1 and newer is left
+untouched. Set ``LIGHTNING_FSDP_RESUME_DISABLE=1`` to import without patching; ``patch()``,
+``unpatch()`` and ``status()`` control and report it.
+
+Importing this package imports neither torch nor Lightning.
+"""
+import logging
+import os
+import sys
+from typing import Dict, NamedTuple, Optional
+
+from ._patcher import Patcher
+from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
+
+__all__ = ["patch", "unpatch", "status", "FlavourStatus", "DISABLE_ENV"]
+__version__ = "0.1.0"
+
+DISABLE_ENV = "LIGHTNING_FSDP_RESUME_DISABLE"
+
+log = logging.getLogger(__name__)
+
+_patcher = Patcher()
+_wanted = False  # patch() was called more recently than unpatch()
+_hooks_registered = False
+_refusals_said = set()
+
+
+class FlavourStatus(NamedTuple):
+    """What the shim did with one Lightning flavour.
+
+    ``mode`` is one of: ``"patched"``, ``"native"``, ``"unsupported"``, ``"not installed"``,
+    ``"pending"`` (will be patched when imported) or ``"unpatched"`` (patchable, but patching is off).
+    """
+
+    package: str
+    version: Optional[str]
+    mode: str
+    reason: str
+
+
+def patch() -> None:
+    """Patch every installed Lightning 2.0.x flavour, now if imported, else when it is imported. Idempotent."""
+    global _wanted, _hooks_registered
+    _wanted = True
+    if not _hooks_registered:
+        import wrapt
+
+        for flavour in FLAVOURS:
+            # Runs at once if the module is already imported, else right after its import.
+            wrapt.register_post_import_hook(_hook_for(flavour), flavour.strategy_module)
+        _hooks_registered = True
+        return
+    for flavour in FLAVOURS:
+        module = sys.modules.get(flavour.strategy_module)
+        if module is not None:
+            _patch_module(flavour, module)
+
+
+def unpatch() -> None:
+    """Restore every patched ``FSDPStrategy`` exactly and stop patching on later imports. Idempotent."""
+    global _wanted
+    _wanted = False
+    for cls in _patcher.patched_classes():
+        _patcher.revert(cls)
+
+
+def status() -> Dict[str, FlavourStatus]:
+    """Per flavour (``"lightning.pytorch"``, ``"pytorch_lightning"``): patched, native, unsupported, and why."""
+    return {flavour.package: _status_of(flavour) for flavour in FLAVOURS}
+
+
+def _status_of(flavour: Flavour) -> FlavourStatus:
+    version = installed_version(flavour)
+    if version is None:
+        return FlavourStatus(flavour.package, None, "not installed", f"{flavour.distribution} is not installed")
+    decision, reason = decide(version)
+    if decision != PATCH:
+        return FlavourStatus(flavour.package, version, decision, reason)
+    module = sys.modules.get(flavour.strategy_module)
+    cls = getattr(module, "FSDPStrategy", None)
+    if cls is not None and _patcher.is_patched(cls):
+        return FlavourStatus(flavour.package, version, "patched", reason)
+    if _wanted and cls is None:
+        return FlavourStatus(flavour.package, version, "pending", f"{reason} when {flavour.package} is imported")
+    why = f"patching is off (unpatch() was called, or {DISABLE_ENV} is set)"
+    return FlavourStatus(flavour.package, version, "unpatched", why)
+
+
+def _hook_for(flavour: Flavour):
+    def hook(module) -> None:
+        if _wanted:
+            _patch_module(flavour, module)
+
+    return hook
+
+
+def _patch_module(flavour: Flavour, module) -> None:
+    version = installed_version(flavour)
+    decision, reason = decide(version) if version else (None, "version unknown")
+    if decision == PATCH:
+        from ._patches import FSDP_STRATEGY_PATCHES
+
+        _patcher.apply(module.FSDPStrategy, FSDP_STRATEGY_PATCHES)
+    elif decision != NATIVE and flavour.package not in _refusals_said:
+        _refusals_said.add(flavour.package)
+        log.warning("lightning_fsdp_resume: not patching %s: %s.", flavour.package, reason)
+
+
+if os.environ.get(DISABLE_ENV, "").strip().lower() in ("", "0", "false", "no"):
+    patch()

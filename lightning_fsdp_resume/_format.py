@@ -1,0 +1,138 @@
+"""The on-disk checkpoint format, as small pure functions. No torch, no Lightning, no Trainer state.
+
+A *sharded* checkpoint is a directory written by ``torch.distributed.checkpoint``: the model under the
+key ``model``, optimizer ``i`` under ``optimizer_{i}``, plus ``meta.pt`` holding everything else. A
+*full* checkpoint is one ordinary Lightning checkpoint file. In both, parameter names are the
+LightningModule's own (no wrapper prefix), which is what native Lightning 2.1+ writes.
+"""
+import re
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Sequence
+
+METADATA_FILENAME = "meta.pt"
+MODEL_KEY = "model"
+_OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)(?:\.|$)")
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A directory of shards with its ``meta.pt``."""
+    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+def is_full_checkpoint(path: Path) -> bool:
+    return path.is_file()
+
+
+def count_saved_optimizers(storage_keys: Iterable[str]) -> int:
+    """How many ``optimizer_{i}`` entries a sharded checkpoint's metadata keys name."""
+    indices = {int(m.group(1)) for m in map(_OPTIMIZER_KEY.match, storage_keys) if m}
+    return len(indices)
+
+
+def strip_prefix(state: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    """Drop ``prefix`` from every key that has it (the 2.0.x wrapper's ``_forward_module.``)."""
+    if not prefix:
+        return state
+    return {_strip(key, prefix): value for key, value in state.items()}
+
+
+def add_prefix(state: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    if not prefix:
+        return state
+    return {prefix + key: value for key, value in state.items()}
+
+
+def _strip(name: Any, prefix: str) -> Any:
+    return name[len(prefix) :] if isinstance(name, str) and name.startswith(prefix) else name
+
+
+def rename_optimizer_params(optimizer_state: Dict[str, Any], rename) -> Dict[str, Any]:
+    """Apply ``rename`` to every parameter key of a name-keyed optimizer state dict (state and groups)."""
+    renamed = dict(optimizer_state)
+    renamed["state"] = {rename(key): value for key, value in optimizer_state.get("state", {}).items()}
+    renamed["param_groups"] = [
+        {**group, "params": [rename(name) for name in group["params"]]}
+        for group in optimizer_state.get("param_groups", [])
+    ]
+    return renamed
+
+
+def strip_optimizer_prefix(optimizer_state: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    if not prefix or not optimizer_state:
+        return optimizer_state
+    return rename_optimizer_params(optimizer_state, lambda name: _strip(name, prefix))
+
+
+def add_optimizer_prefix(optimizer_state: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    if not prefix or not optimizer_state:
+        return optimizer_state
+    return rename_optimizer_params(optimizer_state, lambda name: prefix + name)
+
+
+def is_id_keyed(optimizer_state: Dict[str, Any]) -> bool:
+    """Standard PyTorch format: parameters named by integer position, as ``Optimizer.state_dict()`` writes."""
+    for group in optimizer_state.get("param_groups", []):
+        for param in group["params"]:
+            return isinstance(param, int)
+    return any(isinstance(key, int) for key in optimizer_state.get("state", {}))
+
+
+def names_to_ids(optimizer_state: Dict[str, Any], names_by_group: Sequence[Sequence[str]]) -> Dict[str, Any]:
+    """Re-key a name-keyed optimizer state to integer ids, numbering ``names_by_group`` in order.
+
+    That is the numbering ``torch.optim.Optimizer.state_dict()`` uses: position across all groups.
+    """
+    ids: Dict[str, int] = {}
+    for names in names_by_group:
+        for name in names:
+            ids.setdefault(name, len(ids))
+    keyed = dict(optimizer_state)
+    keyed["state"] = {ids[name]: value for name, value in optimizer_state["state"].items()}
+    keyed["param_groups"] = [
+        {**group, "params": [ids[name] for name in names]}
+        for group, names in zip(optimizer_state["param_groups"], names_by_group)
+    ]
+    return keyed
+
+
+def ids_to_names(optimizer_state: Dict[str, Any], names_by_group: Sequence[Sequence[str]]) -> Dict[str, Any]:
+    """Re-key an id-keyed optimizer state to parameter names, matching ids to names by position within
+    each parameter group, as ``torch.optim.Optimizer.load_state_dict`` matches them to parameters."""
+    saved_groups = optimizer_state["param_groups"]
+    if len(saved_groups) != len(names_by_group) or any(
+        len(group["params"]) != len(names) for group, names in zip(saved_groups, names_by_group)
+    ):
+        raise ValueError(
+            "The checkpoint's optimizer state does not fit the optimizer: it has parameter groups of sizes"
+            f" {[len(g['params']) for g in saved_groups]}, the optimizer {[len(n) for n in names_by_group]}."
+            " Configure the same optimizer parameters as the run that wrote the checkpoint."
+        )
+    names = {pid: name for group, group_names in zip(saved_groups, names_by_group) for pid, name in zip(group["params"], group_names)}
+    keyed = dict(optimizer_state)
+    keyed["state"] = {names[pid]: value for pid, value in optimizer_state["state"].items()}
+    keyed["param_groups"] = [{**group, "params": list(group_names)} for group, group_names in zip(saved_groups, names_by_group)]
+    return keyed
+
+
+def in_module_order(names: Sequence[str], module_names: Sequence[str]) -> List[str]:
+    """Sort parameter names by the position of their module in ``module_names`` (registration order).
+
+    FSDP's flat parameters list the parameters of the root unit before those of nested units; a plain
+    ``optimizer(module.parameters())`` numbers them in registration order, which is this order.
+    """
+    position = {name: index for index, name in enumerate(module_names)}
+    return sorted(names, key=lambda name: position.get(name.rpartition(".")[0], len(position)))
+
+
+def clean_module_name(name: str) -> str:
+    """A module name as FSDP reports it in state dicts: without its wrapper segments."""
+    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(wrapper, "")
+    for wrapper in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"):
+        if name.endswith(wrapper):
+            name = name[: -len(wrapper)].rstrip(".")
+    return name

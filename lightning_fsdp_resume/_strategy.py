@@ -1,0 +1,227 @@
+"""The checkpointing behaviour native Lightning 2.1 gave ``FSDPStrategy``, for Lightning 2.0.x.
+
+Written as methods: ``self`` is the ``FSDPStrategy`` instance. Nothing here knows about patching; the
+table in ``_patches`` puts these on the class. Works for ``lightning.pytorch`` and ``pytorch_lightning``
+alike by touching Lightning only through the strategy object.
+"""
+import functools
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from . import _format
+from . import _torch_compat as compat
+
+_STATE_DICT_TYPES = ("full", "sharded")
+
+
+def wrap_init(original_init: Callable) -> Callable:
+    """``FSDPStrategy(..., state_dict_type="full" | "sharded")``; Lightning 2.0.x would pass it to FSDP."""
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, state_dict_type: str = "full", **kwargs: Any) -> None:
+        if state_dict_type == "sharded" and not compat.supports_sharded_checkpoints():
+            raise NotImplementedError(
+                "Saving checkpoints with `FSDPStrategy(state_dict_type='sharded')` needs PyTorch 2.0 or newer."
+                " Please upgrade `torch`."
+            )
+        original_init(self, *args, **kwargs)
+        self._state_dict_type = state_dict_type
+
+    return __init__
+
+
+def restore_checkpoint_after_setup(self: Any) -> bool:
+    # Restore into the wrapped, sharded model: the full model is never materialised on every rank.
+    return True
+
+
+def lightning_restore_optimizer(self: Any) -> bool:
+    # load_checkpoint() already restored the optimizers into their FSDP shards.
+    return False
+
+
+def load_model_state_dict(self: Any, checkpoint: Any) -> None:
+    """Nothing to do: ``load_checkpoint()`` already loaded the weights into the FSDP module."""
+
+
+def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
+    """Nothing to do: ``load_checkpoint()`` already loaded the optimizer states."""
+
+
+def lightning_module_state_dict(self: Any) -> Dict[str, Any]:
+    full = _is_full(self)
+    state = compat.model_state_dict(self.model, full=full, offload=_offload(self))
+    return _format.strip_prefix(state, _prefix(self))
+
+
+def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+    full = _is_full(self)
+    if not compat.supports_sharded_checkpoints():
+        _warn_rank_zero(self, "FSDP with PyTorch < 2.0 cannot save the optimizer state; it is left out.")
+        return {}
+    state = compat.optimizer_state_dict(self.model, optimizer, full=full, offload=_offload(self))
+    state = _format.strip_optimizer_prefix(state, _prefix(self))
+    if not full:
+        return state
+    if self.global_rank != 0 or not state:
+        return {}
+    # Standard PyTorch format (parameter ids), as a non-FSDP run writes it. Native 2.1.4 uses
+    # FSDP.rekey_optim_state_dict here, which fails for flat parameters (use_orig_params=False).
+    return _format.names_to_ids(state, _names_by_group(self, state))
+
+
+def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    if storage_options is not None:
+        raise TypeError(
+            "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported because"
+            " `FSDPStrategy` does not use the `CheckpointIO`."
+        )
+    full = _is_full(self)
+    path = Path(self.broadcast(filepath))
+    if full:
+        if path.is_dir() and not _format.is_sharded_checkpoint(path):
+            raise IsADirectoryError(
+                f"The checkpoint path {str(path)!r} is a directory that is not a sharded checkpoint; a full"
+                " checkpoint is a single file. Choose another path or remove the directory."
+            )
+        if self.global_rank == 0:
+            if _format.is_sharded_checkpoint(path):
+                shutil.rmtree(path)
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+    else:
+        if self.global_rank == 0 and path.is_file():
+            path.unlink()
+        self.barrier()
+        path.mkdir(parents=True, exist_ok=True)
+        stored = {_format.MODEL_KEY: checkpoint.pop("state_dict")}
+        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            stored[_format.optimizer_key(index)] = optimizer_state
+        compat.save_distributed(stored, path)
+        if self.global_rank == 0:
+            import torch
+
+            torch.save(checkpoint, path / _format.METADATA_FILENAME)
+    self.barrier()
+
+
+def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
+    # Every rank loads what rank 0 names, so all shards come from one checkpoint.
+    path = Path(self.broadcast(checkpoint_path))
+    if _format.is_sharded_checkpoint(path):
+        return _load_sharded(self, path)
+    if _format.is_full_checkpoint(path):
+        return _load_full(self, path)
+    raise ValueError(
+        f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
+        f" directory with FSDP checkpoint shards and its {_format.METADATA_FILENAME!r}, or a single file with a"
+        " full checkpoint."
+    )
+
+
+def _load_sharded(self: Any, path: Path) -> Dict[str, Any]:
+    prefix = _prefix(self)
+    fitting = _fitting(self)
+    if fitting:
+        _check_optimizer_count(self, _format.count_saved_optimizers(compat.stored_keys(path)), path)
+    model_state = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
+    container = {_format.MODEL_KEY: model_state}
+    compat.load_distributed(container, path)
+    model_state = container[_format.MODEL_KEY]
+    compat.load_model_state_dict(self.model, _format.add_prefix(model_state, prefix), full=False)
+    if fitting:
+        for index, optimizer in enumerate(self.optimizers):
+            state = compat.read_sharded_optimizer_state(
+                self.model,
+                optimizer,
+                model_state,
+                _format.optimizer_key(index),
+                path,
+                rename_in=lambda s: _format.strip_optimizer_prefix(s, prefix),
+                rename_out=lambda s: _format.add_optimizer_prefix(s, prefix),
+            )
+            compat.load_optimizer_state_dict(self.model, optimizer, state, full=False)
+    return compat.load_file(path / _format.METADATA_FILENAME, lazy=False)
+
+
+def _load_full(self: Any, path: Path) -> Dict[str, Any]:
+    checkpoint = compat.load_file(path, lazy=True)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(
+            f"The file {str(path)!r} is not a Lightning checkpoint: it has no 'state_dict'. Pass the path of a"
+            " checkpoint written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
+        )
+    prefix = _prefix(self)
+    state_dict = checkpoint.pop("state_dict")
+    compat.load_model_state_dict(self.model, _format.add_prefix(state_dict, prefix), full=True)
+    optimizer_states = checkpoint.get("optimizer_states")
+    if optimizer_states is None or not _fitting(self):
+        # A weights-only checkpoint, or validate/test/predict: weights are all there is to load.
+        return checkpoint
+    if not compat.supports_sharded_checkpoints():
+        _warn_rank_zero(self, "FSDP with PyTorch < 2.0 cannot load the optimizer state; it is left out.")
+        return checkpoint
+    _check_optimizer_count(self, len(optimizer_states), path)
+    for optimizer, state in zip(self.optimizers, optimizer_states):
+        if _format.is_id_keyed(state):
+            # Written by a non-FSDP run or by a full FSDP save: map ids to this optimizer's parameters.
+            current = compat.optimizer_state_dict(self.model, optimizer, full=True, offload=False, rank0_only=False)
+            current = _format.strip_optimizer_prefix(current, prefix)
+            state = _format.ids_to_names(state, _names_by_group(self, current))
+        compat.load_optimizer_state_dict(self.model, optimizer, _format.add_optimizer_prefix(state, prefix), full=True)
+    return checkpoint
+
+
+# --- small helpers, all read-only ------------------------------------------------------------------
+
+
+def _is_full(self: Any) -> bool:
+    kind = getattr(self, "_state_dict_type", "full")
+    if kind not in _STATE_DICT_TYPES:
+        raise ValueError(f"Unknown state_dict_type: {kind}")
+    return kind == "full"
+
+
+def _fitting(self: Any) -> bool:
+    return self.lightning_module.trainer.state.fn == "fit"
+
+
+def _offload(self: Any) -> bool:
+    """Offload gathered state to the CPU only from an accelerator: offloading CPU parameters crashes torch."""
+    return any(param.device.type != "cpu" for param in self.model.parameters())
+
+
+def _prefix(self: Any) -> str:
+    """The name path from the FSDP-wrapped root to the LightningModule (2.0.x: ``_forward_module.``)."""
+    for name, module in self.model.named_modules():
+        if module is self.lightning_module:
+            name = _format.clean_module_name(name)
+            return f"{name}." if name else ""
+    return ""
+
+
+def _names_by_group(self: Any, name_keyed_state: Dict[str, Any]) -> List[List[str]]:
+    """Parameter names per group, in the order a non-FSDP optimizer over the same parameters numbers them."""
+    groups = [list(group["params"]) for group in name_keyed_state["param_groups"]]
+    if self.kwargs.get("use_orig_params", False):
+        return groups  # the optimizer holds the original parameters in the user's order
+    prefix = _prefix(self)
+    modules = [_format.clean_module_name(name) for name, _ in self.model.named_modules()]
+    modules = [name[len(prefix) :] if name.startswith(prefix) else name for name in modules]
+    return [_format.in_module_order(names, modules) for names in groups]
+
+
+def _check_optimizer_count(self: Any, saved: int, path: Path) -> None:
+    if saved != len(self.optimizers):
+        raise RuntimeError(
+            f"You have configured {len(self.optimizers)} optimizers but the checkpoint {str(path)!r} contains"
+            f" {saved} optimizers to load. Please resume training with the same number of optimizers or edit"
+            " the checkpoint manually to remove states."
+        )
+
+
+def _warn_rank_zero(self: Any, message: str) -> None:
+    if self.global_rank == 0:
+        warnings.warn(message)

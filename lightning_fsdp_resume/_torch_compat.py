@@ -1,0 +1,184 @@
+"""What differs between torch releases for FSDP state dicts and ``torch.distributed.checkpoint``.
+
+Each function does one thing the same way on every supported torch, choosing the API that release
+expects. torch is imported inside the functions: importing the shim must not import torch.
+"""
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+# torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict.
+_STATE_DICT_API = (2, 4)
+# torch 2.2 adds dcp.save()/dcp.load() and deprecates save_state_dict()/load_state_dict().
+_DCP_SAVE_LOAD = (2, 2)
+# torch 2.1 adds torch.load(mmap=True): a full checkpoint is then read lazily, shared by all ranks.
+_LOAD_MMAP = (2, 1)
+# torch 2.0 adds FSDP optimizer state dicts and sharded checkpoints.
+_SHARDED = (2, 0)
+
+
+def torch_release() -> Tuple[int, ...]:
+    import torch
+
+    from ._versions import parse_release
+
+    return parse_release(torch.__version__)
+
+
+def supports_sharded_checkpoints() -> bool:
+    return torch_release() >= _SHARDED
+
+
+def _new_api() -> bool:
+    return torch_release() >= _STATE_DICT_API
+
+
+# --- model and optimizer state dicts ------------------------------------------------------------
+
+
+def _options(full: bool, offload: bool, **extra: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=offload, **extra)
+
+
+@contextmanager
+def _legacy_context(model: Any, full: bool, offload: bool, rank0_only: bool) -> Iterator[None]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp.api import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+    )
+
+    if full:
+        kind = StateDictType.FULL_STATE_DICT
+        config = FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)
+        optim_config = FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)
+    else:
+        kind = StateDictType.SHARDED_STATE_DICT
+        config = ShardedStateDictConfig(offload_to_cpu=offload)
+        optim_config = ShardedOptimStateDictConfig(offload_to_cpu=offload)
+    with FSDP.state_dict_type(model, kind, config, optim_config):
+        yield
+
+
+def model_state_dict(model: Any, full: bool, offload: bool) -> Dict[str, Any]:
+    """Full: the gathered weights (on rank 0 at least; on every rank when not offloading). Sharded: this rank's shards."""
+    if _new_api():
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=_options(full, offload))
+    with _legacy_context(model, full, offload, rank0_only=True):
+        return model.state_dict()
+
+
+def load_model_state_dict(model: Any, state_dict: Dict[str, Any], full: bool, strict: bool = True) -> None:
+    """Full: every rank passes the whole state dict. Sharded: every rank passes its shards."""
+    if _new_api():
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state_dict, options=_options(full, False, strict=strict))
+        return
+    with _legacy_context(model, full, offload=False, rank0_only=False):
+        model.load_state_dict(state_dict, strict=strict)
+
+
+def optimizer_state_dict(model: Any, optimizer: Any, full: bool, offload: bool, rank0_only: bool = True) -> Dict[str, Any]:
+    """Keyed by parameter name. Full with ``rank0_only``: complete on rank 0, possibly empty elsewhere."""
+    if _new_api():
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=_options(full, offload and rank0_only))
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with _legacy_context(model, full, offload, rank0_only):
+        return FSDP.optim_state_dict(model, optimizer)
+
+
+def load_optimizer_state_dict(model: Any, optimizer: Any, state: Dict[str, Any], full: bool) -> None:
+    """``state`` is keyed by parameter name; full: every rank passes the whole state."""
+    if _new_api():
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=_options(full, False))
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with _legacy_context(model, full, offload=False, rank0_only=False):
+        optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state))
+
+
+def read_sharded_optimizer_state(
+    model: Any, optimizer: Any, model_state: Dict[str, Any], key: str, path: Path, rename_in, rename_out
+) -> Dict[str, Any]:
+    """Read optimizer ``key`` of a sharded checkpoint into this rank's shards, keyed by parameter name.
+
+    ``model_state`` is the model's sharded state as stored (names without the wrapper prefix);
+    ``rename_in``/``rename_out`` convert an optimizer state between stored names and the model's names.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if _new_api():
+        # The new API builds a complete template (it initialises empty optimizer state); load fills it in.
+        template = rename_in(optimizer_state_dict(model, optimizer, full=False, offload=False))
+        container = {key: template}
+        load_distributed(container, path)
+        return rename_out(container[key])
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+    loaded = load_sharded_optimizer_state_dict(
+        model_state_dict=model_state, optimizer_key=key, storage_reader=FileSystemReader(str(path))
+    )
+    return rename_out(loaded[key])
+
+
+# --- torch.distributed.checkpoint and files ------------------------------------------------------
+
+
+def save_distributed(state: Dict[str, Any], path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True)
+    if torch_release() >= _DCP_SAVE_LOAD:
+        dcp.save(state, storage_writer=writer)
+    else:
+        dcp.save_state_dict(state, storage_writer=writer)
+
+
+def load_distributed(state: Dict[str, Any], path: Path) -> None:
+    """Fill ``state`` (a template of the right shapes) in place from the checkpoint at ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(path))
+    if torch_release() >= _DCP_SAVE_LOAD:
+        dcp.load(state, storage_reader=reader)
+    else:
+        dcp.load_state_dict(state, storage_reader=reader)
+
+
+def stored_keys(path: Path) -> List[str]:
+    """The flattened keys a sharded checkpoint's ``.metadata`` lists."""
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def load_file(path: Path, lazy: bool) -> Any:
+    """``torch.load`` a trusted Lightning checkpoint onto the CPU.
+
+    ``weights_only=False`` is explicit because torch 2.6 changed the default and Lightning checkpoints
+    hold more than tensors. ``lazy`` memory-maps the file where torch allows, so ranks share one copy.
+    """
+    import torch
+
+    if lazy and torch_release() >= _LOAD_MMAP:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError as error:
+            # Files in torch's legacy (pre-zip) format cannot be memory-mapped; read them whole.
+            if "mmap" not in str(error):
+                raise
+    return torch.load(path, map_location="cpu", weights_only=False)
