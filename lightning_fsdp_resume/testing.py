@@ -1,0 +1,74 @@
+"""Run Lightning's ``FSDPStrategy`` on the CPU, for tests in CI without GPUs (like ``torch.testing``).
+
+Lightning 2.0.x and 2.1.x refuse FSDP unless the accelerator is a GPU, and torch's FSDP needs
+``device_id=torch.device("cpu")`` to shard CPU parameters. ``enable_cpu_fsdp()`` lifts both, in this
+process, until ``disable_cpu_fsdp()``; launch ranks with ``torchrun`` and ``Trainer(accelerator="cpu",
+devices=N)`` and the gloo backend is chosen. A plain ``import lightning_fsdp_resume`` never applies it.
+
+Limits: torch 2.0 and 2.1 cannot run FSDP over gloo (no ``_allgather_base``); on torch 2.2 gathering a
+full optimizer state with ``use_orig_params=True`` calls ``torch.cuda.synchronize()`` and fails.
+"""
+import importlib
+from typing import Any, Callable, Tuple
+
+from ._patcher import Patcher, Wrap
+from ._versions import FLAVOURS
+
+_patcher = Patcher()
+_GPU_ONLY_MESSAGE = "GPU accelerator is not used"
+
+
+def cpu_fsdp_supported() -> Tuple[bool, str]:
+    """Whether this torch can run multi-rank FSDP on the CPU, and if not, why."""
+    from ._torch_compat import torch_release
+
+    release = torch_release()
+    if release < (2, 2):
+        return False, f"torch {'.'.join(map(str, release))} cannot run FSDP on CPU: gloo lacks _allgather_base before torch 2.2"
+    return True, ""
+
+
+def enable_cpu_fsdp() -> None:
+    """Allow ``FSDPStrategy`` with ``accelerator="cpu"``. Idempotent. Imports torch and installed Lightning."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    _patcher.apply(FullyShardedDataParallel, {"__init__": Wrap(_default_cpu_device_id)})
+    for flavour in FLAVOURS:
+        try:
+            module = importlib.import_module(f"{flavour.package}.trainer.connectors.accelerator_connector")
+        except ImportError:
+            continue
+        _patcher.apply(module._AcceleratorConnector, {"_check_strategy_and_fallback": Wrap(_allow_cpu_fsdp)})
+
+
+def disable_cpu_fsdp() -> None:
+    for cls in _patcher.patched_classes():
+        _patcher.revert(cls)
+
+
+def _default_cpu_device_id(original_init: Callable) -> Callable:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        if kwargs.get("device_id") is None and not torch.cuda.is_available():
+            kwargs["device_id"] = torch.device("cpu")
+        original_init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _allow_cpu_fsdp(original_check: Callable) -> Callable:
+    def _check_strategy_and_fallback(self: Any) -> None:
+        try:
+            return original_check(self)
+        except Exception as error:  # MisconfigurationException or ValueError, by release
+            if _GPU_ONLY_MESSAGE not in str(error):
+                raise
+        accelerator = self._accelerator_flag
+        self._accelerator_flag = "gpu"  # only for the duration of the check
+        try:
+            return original_check(self)
+        finally:
+            self._accelerator_flag = accelerator
+
+    return _check_strategy_and_fallback
