@@ -1,0 +1,226 @@
+"""One Trainer run, launched by the tests under torchrun (FSDP on CPU over gloo) or as one process.
+
+It trains a small model with nested FSDP units on a fixed dataset and writes, into --out, what the
+tests compare: every rank's local shards and raw optimizer state at each epoch end, after restoring
+and at the end; rank 0 also writes the gathered full weights. It checks nothing itself.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+if os.environ.get("WORKER_LIGHTNING", "lightning") == "pytorch_lightning":
+    import pytorch_lightning as L
+    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+    from pytorch_lightning.strategies import FSDPStrategy
+else:
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.strategies import FSDPStrategy
+
+if os.environ.get("WORKER_SHIM", "1") == "1":
+    import lightning_fsdp_resume  # noqa: F401  (the one-line activation under test)
+
+from lightning_fsdp_resume.testing import enable_cpu_fsdp
+
+
+class Net(L.LightningModule):
+    def __init__(self, optimizers: int = 1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 2)
+        self.automatic_optimization = optimizers == 1
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+    def _loss(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        if self.automatic_optimization:
+            return loss
+        optimizers = self.optimizers()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+        return None
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        # trainer.model holds the FSDP flat parameters when use_orig_params=False (the 2.0.x default)
+        params = list(self.trainer.model.parameters())
+        if self.hparams.optimizers == 1:
+            return torch.optim.Adam(params, lr=1e-2)
+        body = {id(p) for p in self.body.parameters()}
+        return [
+            torch.optim.Adam([p for p in params if id(p) in body], lr=1e-2),
+            torch.optim.SGD([p for p in params if id(p) not in body], lr=1e-2, momentum=0.9),
+        ]
+
+
+class TwoOptimizerNet(Net):
+    """Two optimizers (manual optimization): Adam for the body, SGD with momentum for the head."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizers=2)
+
+    def configure_sharded_model(self):
+        """Wrap each part here, so the Trainer does not wrap the root.
+
+        Manual optimization calls backward inside training_step; under a root FSDP unit that is inside
+        FSDP's forward, which torch refuses. Wrapping the parts is the Lightning 2.0.x way around it.
+        """
+        from torch.distributed.fsdp.wrap import wrap
+
+        self.body = wrap(self.body)
+        self.head = wrap(self.head)
+
+
+def data(batch_size: int = 4):
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.randn(64, 8, generator=generator)
+    y = torch.randn(64, 2, generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+
+
+class Recorder(Callback):
+    """Writes what the tests compare; raw tensors, not produced by the shim."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def dump(self, trainer, name: str) -> None:
+        rank = trainer.global_rank
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        optims = [o.state_dict() for o in trainer.strategy.optimizers]
+        torch.save({"params": params, "optim": optims}, self.out / f"{name}_rank{rank}.pt")
+        full = full_weights(trainer)
+        full_optims = [full_optimizer_state(trainer, o) for o in trainer.strategy.optimizers]
+        if rank == 0:
+            torch.save({"params": full, "optim": full_optims}, self.out / f"full_{name}.pt")
+        info = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "optimizers": len(optims)}
+        (self.out / f"info_{name}_rank{rank}.json").write_text(json.dumps(info))
+
+    def on_train_start(self, trainer, pl_module):
+        self.dump(trainer, "start")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.dump(trainer, f"epoch{trainer.current_epoch}")
+
+    def on_train_end(self, trainer, pl_module):
+        self.dump(trainer, "final")
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.state.fn == "validate":
+            self.dump(trainer, "validate")
+
+    def on_test_start(self, trainer, pl_module):
+        self.dump(trainer, "test")
+
+    def on_predict_start(self, trainer, pl_module):
+        self.dump(trainer, "predict")
+
+
+def full_weights(trainer):
+    """The LightningModule's weights by its own names, gathered with torch's summon_full_params."""
+    module = trainer.lightning_module
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(trainer.model, writeback=False):
+        return {_clean(n): p.detach().clone() for n, p in module.named_parameters()}
+
+
+def full_optimizer_state(trainer, optimizer):
+    """An optimizer's whole state keyed by parameter name, gathered by torch itself (not by the shim)."""
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        names = [n for n, _ in trainer.lightning_module.named_parameters()]
+        state = optimizer.state_dict()
+        return {names[i]: v for i, v in state["state"].items()}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    state = FSDP.optim_state_dict(trainer.model, optimizer)  # FSDP's default: full, on every rank
+    return {_clean(name): v for name, v in state["state"].items()}
+
+
+def _clean(name: str) -> str:
+    """A parameter name as the LightningModule itself has it, without FSDP's or Lightning 2.0.x's wrappers."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_forward_module.", "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    parser.add_argument("--strategy", choices=["fsdp", "single"], default="fsdp")
+    parser.add_argument("--state-dict-type", default="sharded")
+    parser.add_argument("--use-orig-params", type=int, default=0)
+    parser.add_argument("--optimizers", type=int, default=1)
+    parser.add_argument("--max-epochs", type=int, default=4)
+    parser.add_argument("--fn", choices=["fit", "validate", "test", "predict"], default="fit")
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1: keep every epoch; else monitor step, keep k, save last")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    L.seed_everything(0)
+    if args.strategy == "fsdp":
+        enable_cpu_fsdp()
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        strategy = FSDPStrategy(
+            state_dict_type=args.state_dict_type,
+            use_orig_params=bool(args.use_orig_params),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+        )
+        devices = int(os.environ.get("WORLD_SIZE", "1"))
+    else:
+        strategy, devices = "auto", 1
+    if args.top_k == -1:
+        checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1)
+    else:
+        checkpoint = ModelCheckpoint(
+            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=args.top_k, monitor="step", mode="max", save_last=True
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=args.max_epochs,
+        callbacks=[checkpoint, Recorder(args.out)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0 if args.fn == "fit" else None,
+        deterministic=True,
+    )
+    model = TwoOptimizerNet() if args.optimizers == 2 else Net()
+    if args.fn == "fit":
+        trainer.fit(model, train_dataloaders=data(), ckpt_path=args.ckpt_path)
+    else:
+        getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=args.ckpt_path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

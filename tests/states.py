@@ -1,0 +1,51 @@
+"""Reading and comparing what the worker wrote. Comparisons are exact: ``torch.equal``, no tolerance."""
+import json
+from pathlib import Path
+from typing import Any, List
+
+import torch
+
+
+def load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def differences(expected: Any, actual: Any, where: str = "") -> List[str]:
+    """Every place where two nested structures of tensors and plain values differ (empty when identical)."""
+    if isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):
+        same = (
+            isinstance(expected, torch.Tensor)
+            and isinstance(actual, torch.Tensor)
+            and expected.dtype == actual.dtype
+            and expected.shape == actual.shape
+            and torch.equal(expected, actual)
+        )
+        return [] if same else [f"{where}: {expected!r} != {actual!r}"]
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        if set(expected) != set(actual):
+            return [f"{where}: keys {sorted(map(str, expected))} != {sorted(map(str, actual))}"]
+        return [d for key in expected for d in differences(expected[key], actual[key], f"{where}.{key}")]
+    if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
+        if len(expected) != len(actual):
+            return [f"{where}: length {len(expected)} != {len(actual)}"]
+        return [d for i, (e, a) in enumerate(zip(expected, actual)) for d in differences(e, a, f"{where}[{i}]")]
+    return [] if expected == actual else [f"{where}: {expected!r} != {actual!r}"]
+
+
+def assert_identical(expected: Any, actual: Any, what: str) -> None:
+    found = differences(expected, actual)
+    assert not found, f"{what} differ in {len(found)} places, first: {found[:3]}"
+
+
+def assert_ranks_identical(expected_dir: Path, expected_name: str, actual_dir: Path, actual_name: str, ranks: int = 2) -> None:
+    """Each rank's local parameter shards and raw optimizer state are bit-identical."""
+    for rank in range(ranks):
+        expected = load(expected_dir / f"{expected_name}_rank{rank}.pt")
+        actual = load(actual_dir / f"{actual_name}_rank{rank}.pt")
+        assert expected["params"], "no parameters were recorded"
+        assert any(o["state"] for o in expected["optim"]), "no optimizer state was recorded"
+        assert_identical(expected, actual, f"rank {rank}: {expected_name} vs {actual_name}")
+
+
+def info(directory: Path, name: str, rank: int = 0) -> dict:
+    return json.loads((directory / f"info_{name}_rank{rank}.json").read_text())

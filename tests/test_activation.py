@@ -1,0 +1,241 @@
+"""Activation, gating, patch/unpatch and the strategy's single-process contract.
+
+Import-order behaviour is checked in fresh interpreters; the rest runs in this process and leaves the
+shim patched, as the import left it.
+"""
+import ast
+import logging
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+import lightning_fsdp_resume as shim
+from lightning_fsdp_resume import _versions
+from lightning_fsdp_resume._patches import FSDP_STRATEGY_PATCHES
+
+FLAVOURS = {f.package: f for f in _versions.FLAVOURS}
+INSTALLED = {p: v for p, v in ((p, _versions.installed_version(f)) for p, f in FLAVOURS.items()) if v}
+PATCHABLE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.PATCH]
+NATIVE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.NATIVE]
+
+
+def python(code: str, env: dict = None) -> str:
+    """Run ``code`` in a fresh interpreter; its stdout, or a test failure with its stderr."""
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def strategy_class(package: str):
+    import importlib
+
+    return importlib.import_module(f"{package}.strategies.fsdp").FSDPStrategy
+
+
+@pytest.fixture
+def restore_patch():
+    yield
+    shim.patch()
+
+
+def test_import_imports_neither_torch_nor_lightning():
+    out = python(
+        """
+        import sys, lightning_fsdp_resume
+        print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')))
+        """
+    )
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("order", ["shim first", "lightning first"])
+@pytest.mark.parametrize("package", sorted(INSTALLED))
+def test_any_import_order_gives_the_same_result(package, order):
+    imports = ["import lightning_fsdp_resume as shim", f"import {package}.strategies.fsdp as fsdp"]
+    if order == "lightning first":
+        imports.reverse()
+    imports.append(f"print(shim.status()[{package!r}].mode, 'restore_checkpoint_after_setup' in vars(fsdp.FSDPStrategy))")
+    out = python("\n".join(imports))
+    expected = "patched True" if package in PATCHABLE else "native " + str("restore_checkpoint_after_setup" in vars(strategy_class(package)))
+    assert out.split() == expected.split()
+
+
+@pytest.mark.parametrize("package", NATIVE)
+def test_native_lightning_is_left_untouched(package):
+    out = python(
+        f"""
+        import {package}.strategies.fsdp as fsdp
+        before = dict(vars(fsdp.FSDPStrategy))
+        import lightning_fsdp_resume as shim
+        after = dict(vars(fsdp.FSDPStrategy))
+        print(before.keys() == after.keys() and all(before[k] is after[k] for k in before), shim.status()[{package!r}].mode)
+        """
+    )
+    assert out.split() == ["True", "native"]
+
+
+def test_environment_variable_disables_the_automatic_patch():
+    out = python(
+        """
+        import lightning_fsdp_resume as shim
+        import lightning.pytorch, pytorch_lightning
+        print(sorted({s.mode for s in shim.status().values()}))
+        shim.patch()
+        print(sorted({s.mode for s in shim.status().values()}))
+        """,
+        env={shim.DISABLE_ENV: "1"},
+    )
+    before, after = (set(ast.literal_eval(line)) for line in out.splitlines())
+    if PATCHABLE:
+        assert "unpatched" in before and "patched" not in before
+        assert "patched" in after and "unpatched" not in after
+
+
+@pytest.mark.skipif(not PATCHABLE, reason="no Lightning 2.0.x installed: nothing to patch")
+class TestPatching:
+    @pytest.fixture(autouse=True)
+    def imported(self):
+        for package in PATCHABLE:
+            strategy_class(package)
+
+    def test_status_names_mode_and_reason(self):
+        for package in PATCHABLE:
+            status = shim.status()[package]
+            assert (status.mode, status.version) == ("patched", INSTALLED[package])
+            assert "lacks sharded FSDP checkpoints" in status.reason
+
+    def test_every_table_entry_is_on_the_class(self):
+        for package in PATCHABLE:
+            cls = strategy_class(package)
+            for name, entry in FSDP_STRATEGY_PATCHES.items():
+                assert name in vars(cls), name
+                if not hasattr(entry, "factory"):
+                    assert vars(cls)[name] is entry
+
+    def test_patching_twice_is_a_no_op(self):
+        snapshots = {p: dict(vars(strategy_class(p))) for p in PATCHABLE}
+        shim.patch()
+        shim.patch()
+        for package, before in snapshots.items():
+            after = dict(vars(strategy_class(package)))
+            assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
+
+    def test_unpatch_restores_the_class_attribute_for_attribute(self, restore_patch):
+        cls = strategy_class(PATCHABLE[0])
+        shim.unpatch()
+        pristine = dict(vars(cls))
+        assert "restore_checkpoint_after_setup" not in pristine
+        shim.patch()
+        assert vars(cls)["__init__"] is not pristine["__init__"]
+        shim.unpatch()
+        restored = dict(vars(cls))
+        assert pristine.keys() == restored.keys() and all(pristine[k] is restored[k] for k in pristine)
+        assert shim.status()[PATCHABLE[0]].mode == "unpatched"
+        shim.unpatch()  # idempotent
+        assert dict(vars(cls)).keys() == pristine.keys()
+
+    def test_subclasses_get_the_behaviour_unless_they_override_it(self, restore_patch):
+        cls = strategy_class(PATCHABLE[0])
+        shim.unpatch()
+
+        class Before(cls):
+            pass
+
+        class Overriding(cls):
+            @property
+            def restore_checkpoint_after_setup(self):
+                return "mine"
+
+        shim.patch()
+
+        class After(cls):
+            pass
+
+        for sub in (Before, After):
+            strategy = sub(state_dict_type="sharded")
+            assert strategy.restore_checkpoint_after_setup is True
+            assert strategy._state_dict_type == "sharded"
+        assert Overriding().restore_checkpoint_after_setup == "mine"
+        assert Overriding().lightning_restore_optimizer is False
+
+    def test_contract_properties_and_no_op_loaders(self):
+        for package in PATCHABLE:
+            strategy = strategy_class(package)()
+            assert strategy._state_dict_type == "full"
+            assert strategy.restore_checkpoint_after_setup is True
+            assert strategy.lightning_restore_optimizer is False
+            checkpoint = {"state_dict": {"w": 1}, "optimizer_states": [{}]}
+            assert strategy.load_model_state_dict(checkpoint) is None
+            assert strategy.load_optimizer_state_dict(checkpoint) is None
+            assert checkpoint == {"state_dict": {"w": 1}, "optimizer_states": [{}]}
+
+    def test_unknown_state_dict_type_fails_at_save(self, tmp_path):
+        strategy = strategy_class(PATCHABLE[0])(state_dict_type="bogus")
+        with pytest.raises(ValueError, match="Unknown state_dict_type: bogus"):
+            strategy.save_checkpoint({}, tmp_path / "x.ckpt")
+        assert not (tmp_path / "x.ckpt").exists()
+
+    def test_storage_options_are_refused(self, tmp_path):
+        strategy = strategy_class(PATCHABLE[0])(state_dict_type="sharded")
+        with pytest.raises(TypeError, match="storage_options"):
+            strategy.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+    def test_sharded_needs_torch_2(self, monkeypatch):
+        from lightning_fsdp_resume import _torch_compat
+
+        monkeypatch.setattr(_torch_compat, "torch_release", lambda: (1, 13, 1))
+        with pytest.raises(NotImplementedError, match="PyTorch 2.0"):
+            strategy_class(PATCHABLE[0])(state_dict_type="sharded")
+        assert strategy_class(PATCHABLE[0])(state_dict_type="full")._state_dict_type == "full"
+
+    @pytest.mark.parametrize("kind", ["missing", "empty directory", "not a checkpoint"])
+    def test_load_of_a_bad_path_names_it(self, tmp_path, kind):
+        import torch
+
+        strategy = strategy_class(PATCHABLE[0])()
+        strategy.broadcast = lambda obj, src=0: obj  # one process: rank 0's path is the path
+        path = tmp_path / "bad.ckpt"
+        if kind == "empty directory":
+            path.mkdir()
+        elif kind == "not a checkpoint":
+            torch.save([1, 2, 3], path)
+        with pytest.raises(ValueError, match=str(path)):
+            strategy.load_checkpoint(path)
+        assert path.exists() == (kind != "missing")
+
+
+@pytest.mark.parametrize(
+    "version,mode",
+    [("1.9.5", "unsupported"), ("2.0.0", "patch"), ("2.0.9", "patch"), ("2.0.9.post0", "patch"),
+     ("2.1.0rc1", "native"), ("2.1.4", "native"), ("2.6.0", "native"), ("3.0.0", "native")],
+)
+def test_version_gate(version, mode):
+    assert _versions.decide(version)[0] == mode
+
+
+def test_unsupported_lightning_is_refused_once_with_the_reason(caplog):
+    from lightning_fsdp_resume import _patch_module
+
+    flavour = _versions.Flavour(package="old_lightning", distribution="old-lightning")
+    strategies = types.ModuleType("old_lightning.strategies.fsdp")
+    strategies.FSDPStrategy = type("FSDPStrategy", (), {})
+    package = types.ModuleType("old_lightning")
+    package.__version__ = "1.9.5"
+    sys.modules["old_lightning"] = package
+    try:
+        with caplog.at_level(logging.WARNING, logger="lightning_fsdp_resume"):
+            _patch_module(flavour, strategies)
+            _patch_module(flavour, strategies)
+    finally:
+        del sys.modules["old_lightning"]
+    refusals = [r.getMessage() for r in caplog.records if "old_lightning" in r.getMessage()]
+    assert len(refusals) == 1 and "1.9.5 predates the 2.0 FSDPStrategy" in refusals[0]
+    assert not set(FSDP_STRATEGY_PATCHES) & set(vars(strategies.FSDPStrategy))

@@ -1,0 +1,72 @@
+"""The on-disk format helpers: pure functions, no processes."""
+import pytest
+
+from lightning_fsdp_resume import _format
+
+
+def test_sharded_and_full_checkpoints_are_told_apart(tmp_path):
+    sharded = tmp_path / "s.ckpt"
+    sharded.mkdir()
+    assert not _format.is_sharded_checkpoint(sharded)  # shards without meta.pt are not a checkpoint
+    (sharded / "meta.pt").write_bytes(b"x")
+    assert _format.is_sharded_checkpoint(sharded) and not _format.is_full_checkpoint(sharded)
+    full = tmp_path / "f.ckpt"
+    full.write_bytes(b"x")
+    assert _format.is_full_checkpoint(full) and not _format.is_sharded_checkpoint(full)
+
+
+def test_prefix_is_stripped_and_restored():
+    state = {"_forward_module.a.weight": 1, "_forward_module.b": 2}
+    stripped = _format.strip_prefix(state, "_forward_module.")
+    assert stripped == {"a.weight": 1, "b": 2}
+    assert _format.add_prefix(stripped, "_forward_module.") == state
+    assert _format.strip_prefix(state, "") is state
+
+
+def test_optimizer_prefix_covers_state_and_groups():
+    state = {"state": {"p.a": {"s": 1}}, "param_groups": [{"lr": 1, "params": ["p.a", "p.b"]}]}
+    stripped = _format.strip_optimizer_prefix(state, "p.")
+    assert stripped == {"state": {"a": {"s": 1}}, "param_groups": [{"lr": 1, "params": ["a", "b"]}]}
+    assert _format.add_optimizer_prefix(stripped, "p.") == state
+
+
+def test_names_and_ids_round_trip_like_torch_numbering():
+    named = {
+        "state": {"head.w": {"m": 3}, "a.w": {"m": 1}},
+        "param_groups": [{"lr": 1, "params": ["head.w"]}, {"lr": 2, "params": ["a.w", "a.b"]}],
+    }
+    groups = [["head.w"], ["a.w", "a.b"]]
+    ids = _format.names_to_ids(named, groups)
+    assert ids["state"] == {0: {"m": 3}, 1: {"m": 1}}
+    assert [g["params"] for g in ids["param_groups"]] == [[0], [1, 2]]
+    assert _format.is_id_keyed(ids) and not _format.is_id_keyed(named)
+    assert _format.ids_to_names(ids, groups) == named
+
+
+def test_id_keyed_state_that_does_not_fit_is_refused():
+    ids = {"state": {}, "param_groups": [{"params": [0, 1]}]}
+    with pytest.raises(ValueError, match=r"sizes \[2\], the optimizer \[3\]"):
+        _format.ids_to_names(ids, [["a", "b", "c"]])
+
+
+def test_empty_optimizer_state_is_id_keyed_when_its_groups_are():
+    assert _format.is_id_keyed({"state": {}, "param_groups": [{"params": [0]}]})
+    assert not _format.is_id_keyed({"state": {}, "param_groups": [{"params": ["a"]}]})
+
+
+def test_flat_parameter_order_becomes_registration_order():
+    # FSDP lists the root unit's parameters (a, head) before the nested unit's (b)
+    names = ["a.weight", "a.bias", "head.weight", "b.0.weight"]
+    modules = ["", "a", "b", "b.0", "b.1", "head"]
+    assert _format.in_module_order(names, modules) == ["a.weight", "a.bias", "b.0.weight", "head.weight"]
+
+
+def test_module_names_lose_their_wrapper_segments():
+    assert _format.clean_module_name("_fsdp_wrapped_module._forward_module.b._fsdp_wrapped_module.0") == "_forward_module.b.0"
+    assert _format.clean_module_name("_fsdp_wrapped_module") == ""
+
+
+def test_saved_optimizers_are_counted_from_storage_keys():
+    keys = ["model.a", "optimizer_0.state.a.exp_avg", "optimizer_0.param_groups", "optimizer_1.state.b.m"]
+    assert _format.count_saved_optimizers(keys) == 2
+    assert _format.count_saved_optimizers(["model.a"]) == 0

@@ -1,0 +1,159 @@
+"""Real multi-rank FSDP runs: 2 ranks under torchrun, gloo on the CPU, the Trainer doing the work.
+
+Each test names one promised behaviour. Reference runs train 3 epochs and checkpoint every epoch;
+resumed runs start in new processes from the checkpoint after epoch 1 (``epoch=1.ckpt``).
+"""
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ranks import worker
+from states import assert_identical, assert_ranks_identical, info, load
+
+pytestmark = pytest.mark.multirank
+
+from lightning_fsdp_resume.testing import cpu_fsdp_supported  # noqa: E402
+
+_SUPPORTED, _WHY = cpu_fsdp_supported()
+if not _SUPPORTED:
+    pytest.skip(_WHY, allow_module_level=True)
+
+EPOCHS = 3
+MID = "epoch=1.ckpt"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs, one per configuration, made on first use and shared by the tests."""
+    runs = {}
+
+    def get(state_dict_type: str, use_orig_params: int, optimizers: int = 1) -> Path:
+        key = (state_dict_type, use_orig_params, optimizers)
+        if key not in runs:
+            root = tmp_path_factory.mktemp(f"ref-{state_dict_type}-{use_orig_params}-{optimizers}")
+            worker(root, *_config(root, *key), "--max-epochs", EPOCHS)
+            runs[key] = root
+        return runs[key]
+
+    return get
+
+
+def _config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: int = 1):
+    return [
+        "--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type,
+        "--use-orig-params", use_orig_params, "--optimizers", optimizers,
+    ]
+
+
+def _resume(ref: Path, tmp_path: Path, key, epochs: int = EPOCHS) -> Path:
+    worker(tmp_path, *_config(tmp_path, *key), "--max-epochs", epochs, "--ckpt-path", ref / "ckpt" / MID)
+    return tmp_path
+
+
+@pytest.mark.parametrize("use_orig_params", [0, 1])
+def test_sharded_resume_is_bit_exact(reference, tmp_path, use_orig_params):
+    key = ("sharded", use_orig_params)
+    ref = reference(*key)
+    assert (ref / "ckpt" / MID).is_dir()
+    resumed = _resume(ref, tmp_path, key)
+    assert info(resumed / "out", "start")["epoch"] == 2
+    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
+    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
+
+
+@pytest.mark.parametrize("use_orig_params", [0, 1])
+def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params):
+    key = ("full", use_orig_params)
+    ref = reference(*key)
+    assert (ref / "ckpt" / MID).is_file()
+    resumed = _resume(ref, tmp_path, key)
+    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
+    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
+
+
+@pytest.mark.parametrize("state_dict_type,use_orig_params", [("sharded", 0), ("full", 1)])
+def test_two_optimizers_resume_bit_exact(reference, tmp_path, state_dict_type, use_orig_params):
+    key = (state_dict_type, use_orig_params, 2)
+    ref = reference(*key)
+    resumed = _resume(ref, tmp_path, key)
+    assert info(resumed / "out", "start")["optimizers"] == 2
+    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
+    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
+
+
+@pytest.mark.parametrize("fn", ["validate", "test", "predict"])
+def test_validate_test_predict_load_weights_only_from_sharded(reference, tmp_path, fn):
+    ref = reference("sharded", 0)
+    worker(tmp_path, *_config(tmp_path, "sharded", 0), "--fn", fn, "--ckpt-path", ref / "ckpt" / MID)
+    expected = load(ref / "out" / "full_epoch1.pt")["params"]
+    assert_identical(expected, load(tmp_path / "out" / f"full_{fn}.pt")["params"], f"weights at {fn}")
+    assert info(tmp_path / "out", fn)["optimizers"] == 0
+
+
+def test_checkpoints_use_the_lightning_module_names(reference):
+    """No ``_forward_module.`` prefix: full and sharded checkpoints name parameters as the LightningModule does."""
+    import torch.distributed.checkpoint as dcp
+
+    expected = set(load(reference("full", 0) / "out" / "full_epoch1.pt")["params"])
+    full = load(reference("full", 0) / "ckpt" / MID)
+    assert set(full["state_dict"]) == expected
+    stored = dcp.FileSystemReader(str(reference("sharded", 0) / "ckpt" / MID)).read_metadata().state_dict_metadata
+    model_keys = {k[len("model."):] for k in stored if k.startswith("model.")}
+    assert model_keys == expected
+    optimizer_keys = {k for k in stored if k.startswith("optimizer_0.state.")}
+    assert optimizer_keys and all(any(k.startswith(f"optimizer_0.state.{n}.") for n in expected) for k in optimizer_keys)
+    assert not any("_forward_module" in k for k in stored)
+
+
+def test_full_checkpoint_opens_without_fsdp(reference, monkeypatch):
+    """Full checkpoint -> LightningModule.load_from_checkpoint on one CPU, optimizer state in PyTorch's format."""
+    from fsdp_worker import Net
+
+    # Lightning 2.0.x's loader predates torch 2.6's weights_only default; checkpoints are trusted files.
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    ref = reference("full", 0)
+    path = ref / "ckpt" / MID
+    expected = load(ref / "out" / "full_epoch1.pt")
+    model = Net.load_from_checkpoint(path)
+    assert_identical(expected["params"], {n: p.detach() for n, p in model.named_parameters()}, "weights")
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer.load_state_dict(load(path)["optimizer_states"][0])
+    names = [n for n, _ in model.named_parameters()]
+    by_name = {names[i]: state for i, state in optimizer.state_dict()["state"].items()}
+    assert_identical(expected["optim"][0], by_name, "optimizer state")
+
+
+def test_resume_under_fsdp_from_single_device_checkpoint(tmp_path):
+    single = tmp_path / "single"
+    worker(single, "--out", single / "out", "--ckpt-dir", single / "ckpt", "--max-epochs", 2, nproc=0)
+    fsdp = tmp_path / "fsdp"
+    worker(fsdp, *_config(fsdp, "sharded", 0), "--max-epochs", 3, "--ckpt-path", single / "ckpt" / MID)
+    expected = load(single / "out" / "full_epoch1.pt")
+    restored = load(fsdp / "out" / "full_start.pt")
+    assert_identical(expected["params"], restored["params"], "weights")
+    assert_identical(expected["optim"], restored["optim"], "optimizer state")
+    assert info(fsdp / "out", "final")["epoch"] == 3
+
+
+def test_top_k_and_last_with_sharded_checkpoints(tmp_path):
+    first = tmp_path / "first"
+    worker(first, *_config(first, "sharded", 0), "--max-epochs", 4, "--top-k", 2)
+    kept = sorted(p.name for p in (first / "ckpt").iterdir())
+    assert kept == ["epoch=2.ckpt", "epoch=3.ckpt", "last.ckpt"]
+    assert all((first / "ckpt" / name / "meta.pt").is_file() for name in kept)
+
+    second = tmp_path / "second"
+    worker(second, *_config(second, "sharded", 0), "--max-epochs", 5, "--top-k", 2, "--ckpt-path", "last",
+           "--ckpt-dir", first / "ckpt")
+    assert info(second / "out", "start")["epoch"] == 4
+    assert_ranks_identical(first / "out", "epoch3", second / "out", "start")
+
+
+def test_optimizer_count_mismatch_is_refused(reference, tmp_path):
+    ref = reference("sharded", 0)
+    output = worker(tmp_path, *_config(tmp_path, "sharded", 0, 2), "--ckpt-path", ref / "ckpt" / MID, expect_failure=True)
+    assert re.search(r"RuntimeError: You have configured 2 optimizers but the checkpoint .* contains 1 optimizers", output)
