@@ -48,40 +48,33 @@ def _config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: 
     ]
 
 
-def _resume(ref: Path, tmp_path: Path, key, epochs: int = EPOCHS) -> Path:
-    worker(tmp_path, *_config(tmp_path, *key), "--max-epochs", epochs, "--ckpt-path", ref / "ckpt" / MID)
+def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:
+    """Resume ``key``'s checkpoint after epoch 1 in new processes; restored and final states must be
+    bit-identical to the uninterrupted run's. Returns the resumed run's directory."""
+    ref = reference(*key)
+    worker(tmp_path, *_config(tmp_path, *key), "--max-epochs", EPOCHS, "--ckpt-path", ref / "ckpt" / MID)
+    assert_ranks_identical(ref / "out", "epoch1", tmp_path / "out", "start")
+    assert_ranks_identical(ref / "out", "final", tmp_path / "out", "final")
     return tmp_path
 
 
 @pytest.mark.parametrize("use_orig_params", [0, 1])
 def test_sharded_resume_is_bit_exact(reference, tmp_path, use_orig_params):
-    key = ("sharded", use_orig_params)
-    ref = reference(*key)
-    assert (ref / "ckpt" / MID).is_dir()
-    resumed = _resume(ref, tmp_path, key)
+    resumed = _resume_matches_uninterrupted(reference, tmp_path, ("sharded", use_orig_params))
+    assert (reference("sharded", use_orig_params) / "ckpt" / MID).is_dir()
     assert info(resumed / "out", "start")["epoch"] == 2
-    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
-    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
 
 
 @pytest.mark.parametrize("use_orig_params", [0, 1])
 def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params):
-    key = ("full", use_orig_params)
-    ref = reference(*key)
-    assert (ref / "ckpt" / MID).is_file()
-    resumed = _resume(ref, tmp_path, key)
-    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
-    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
+    _resume_matches_uninterrupted(reference, tmp_path, ("full", use_orig_params))
+    assert (reference("full", use_orig_params) / "ckpt" / MID).is_file()
 
 
 @pytest.mark.parametrize("state_dict_type,use_orig_params", [("sharded", 0), ("full", 1)])
 def test_two_optimizers_resume_bit_exact(reference, tmp_path, state_dict_type, use_orig_params):
-    key = (state_dict_type, use_orig_params, 2)
-    ref = reference(*key)
-    resumed = _resume(ref, tmp_path, key)
+    resumed = _resume_matches_uninterrupted(reference, tmp_path, (state_dict_type, use_orig_params, 2))
     assert info(resumed / "out", "start")["optimizers"] == 2
-    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
-    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
 
 
 @pytest.mark.parametrize("fn", ["validate", "test", "predict"])
