@@ -1,0 +1,56 @@
+"""The command line: ``demo`` (train, checkpoint, resume, compare) and ``status``."""
+import argparse
+import sys
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning_fsdp_resume", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="train on 2 ranks, checkpoint mid-run, resume, compare with an uninterrupted run")
+    demo.add_argument("--ranks", type=int, default=2, help="FSDP ranks (default 2)")
+    demo.add_argument("--epochs", type=int, default=4, help="epochs of the whole run (default 4)")
+    demo.add_argument("--stop-after", type=int, default=2, help="epochs before the interruption (default 2)")
+    demo.add_argument("--hidden", type=int, default=32, help="model width (default 32)")
+    demo.add_argument("--state-dict-type", choices=["sharded", "full"], default="sharded")
+    demo.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
+
+    commands.add_parser("status", help="installed Lightning, torch and wrapt, and what the shim did with each flavour")
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args)
+    return print_status()
+
+
+def print_status() -> int:
+    """Exit status 0 when FSDP resume is usable: some flavour is patched or native."""
+    import importlib.metadata
+
+    import lightning_fsdp_resume as shim
+
+    # importing the flavours applies the patch, so the report says what a training script would get
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            __import__(package)
+        except ImportError:
+            pass
+    for dist in ("torch", "wrapt"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"{dist:<18} {version}")
+    usable = False
+    for package, state in shim.status().items():
+        print(f"{package:<18} {state.version or '-':<10} {state.mode:<14} {state.reason}")
+        usable = usable or state.mode in ("patched", "native")
+    print("FSDP resume is usable" if usable else "FSDP resume is NOT usable: no patched or native Lightning found")
+    return 0 if usable else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The command line: demo, status, and the demo's verdict."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_fsdp_resume import _versions
+from lightning_fsdp_resume.demo import _report
+from lightning_fsdp_resume.testing import cpu_fsdp_supported
+
+
+def cli(*args, env=None):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "lightning_fsdp_resume", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not cpu_fsdp_supported()[0], reason=cpu_fsdp_supported()[1])
+def test_demo_resumes_bit_exactly_and_says_so(tmp_path):
+    result = cli("demo", "--epochs", "2", "--stop-after", "1", "--hidden", "8", "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[3/3] resumed run" in result.stdout
+    assert "PASS: resumed from epoch 1" in result.stdout
+    assert (tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt" / "meta.pt").is_file()
+
+
+def _installed_modes():
+    """Per installed flavour, what the shim does with it: patch or native (or unsupported)."""
+    found = {f.package: _versions.installed_version(f) for f in _versions.FLAVOURS}
+    return {package: _versions.decide(version)[0] for package, version in found.items() if version}
+
+
+def test_status_reports_each_flavour_and_exits_by_usability():
+    result = cli("status")
+    modes = _installed_modes()
+    assert modes, "no Lightning flavour installed"
+    for package, mode in modes.items():
+        shown = "patched" if mode == _versions.PATCH else mode
+        assert any(line.startswith(package) and f" {shown} " in line for line in result.stdout.splitlines()), result.stdout
+    assert "torch" in result.stdout and "wrapt" in result.stdout
+    usable = any(mode in (_versions.PATCH, _versions.NATIVE) for mode in modes.values())
+    assert result.returncode == (0 if usable else 1), result.stdout
+
+
+def test_status_with_patching_off_counts_only_native_lightning():
+    result = cli("status", env={"LIGHTNING_FSDP_RESUME_DISABLE": "1"})
+    modes = _installed_modes()
+    for package, mode in modes.items():
+        if mode == _versions.PATCH:
+            assert any(line.startswith(package) and " unpatched " in line for line in result.stdout.splitlines())
+    native = any(mode == _versions.NATIVE for mode in modes.values())
+    assert result.returncode == (0 if native else 1), result.stdout
+    assert ("NOT usable" in result.stdout) == (not native)
+
+
+def _write_run(directory, losses, weight):
+    directory.mkdir()
+    (directory / "losses.jsonl").write_text("".join(f'{{"step": {s}, "loss": {l}}}\n' for s, l in losses.items()))
+    torch.save({"step": max(losses), "params": {"w": torch.tensor([weight])}}, directory / "weights_epoch1.pt")
+
+
+@pytest.mark.parametrize("loss,weight,verdict", [(0.5, 1.0, 0), (0.5, 1.0 + 2**-20, 1), (0.50000001, 1.0, 1)])
+def test_demo_verdict_demands_exact_equality(tmp_path, capsys, loss, weight, verdict):
+    _write_run(tmp_path / "reference", {1: 0.7, 2: 0.5}, 1.0)
+    _write_run(tmp_path / "resumed", {2: loss}, weight)
+    assert _report(tmp_path / "reference", tmp_path / "resumed", 1) == verdict
+    assert ("PASS" if verdict == 0 else "FAIL") in capsys.readouterr().out
