@@ -165,6 +165,10 @@ def _rank_main(argv: List[str]) -> None:
         logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
     )
     trainer.fit(Regressor(args.hidden), train_dataloaders=data, ckpt_path=args.ckpt_path)
+    # Leave together: a rank exiting while gloo still talks to it can abort the other ("terminate called ...").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

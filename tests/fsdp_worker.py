@@ -220,6 +220,10 @@ def main() -> None:
         trainer.fit(model, train_dataloaders=data(), ckpt_path=args.ckpt_path)
     else:
         getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=args.ckpt_path)
+    # Leave together: a rank exiting while gloo still talks to it can abort the other ("terminate called ...").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
