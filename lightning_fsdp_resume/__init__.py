@@ -7,7 +7,6 @@ untouched. Set ``LIGHTNING_FSDP_RESUME_DISABLE=1`` to import without patching; `
 
 Importing this package imports neither torch nor Lightning.
 """
-import logging
 import os
 import sys
 from typing import Dict, NamedTuple, Optional
@@ -19,8 +18,6 @@ __all__ = ["patch", "unpatch", "status", "FlavourStatus", "DISABLE_ENV"]
 __version__ = "0.1.0"
 
 DISABLE_ENV = "LIGHTNING_FSDP_RESUME_DISABLE"
-
-log = logging.getLogger(__name__)
 
 _patcher = Patcher()
 _wanted = False  # patch() was called more recently than unpatch()
@@ -106,7 +103,9 @@ def _patch_module(flavour: Flavour, module) -> None:
         _patcher.apply(module.FSDPStrategy, FSDP_STRATEGY_PATCHES)
     elif decision != NATIVE and flavour.package not in _refusals_said:
         _refusals_said.add(flavour.package)
-        log.warning("lightning_fsdp_resume: not patching %s: %s.", flavour.package, reason)
+        import logging  # only when refusing: logging costs more to import than the shim
+
+        logging.getLogger(__name__).warning("lightning_fsdp_resume: not patching %s: %s.", flavour.package, reason)
 
 
 if os.environ.get(DISABLE_ENV, "").strip().lower() in ("", "0", "false", "no"):

@@ -3,7 +3,6 @@
 Nothing here imports torch or Lightning: versions come from an already imported module or from the
 installed distribution's metadata.
 """
-import importlib.metadata
 import importlib.util
 import re
 import sys
@@ -66,6 +65,8 @@ def installed_version(flavour: Flavour) -> Optional[str]:
             return None
     except (ImportError, ValueError):
         return None
+    import importlib.metadata  # here, not at import: it costs tens of milliseconds
+
     try:
         return importlib.metadata.version(flavour.distribution)
     except importlib.metadata.PackageNotFoundError:
