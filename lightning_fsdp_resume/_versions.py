@@ -65,10 +65,10 @@ def installed_version(flavour: Flavour) -> Optional[str]:
             return None
     except (ImportError, ValueError):
         return None
-    import importlib.metadata  # here, not at import: it costs tens of milliseconds
+    from importlib import metadata  # here, not at import: it costs tens of milliseconds
 
     try:
-        return importlib.metadata.version(flavour.distribution)
-    except importlib.metadata.PackageNotFoundError:
+        return metadata.version(flavour.distribution)
+    except metadata.PackageNotFoundError:
         return None
 
