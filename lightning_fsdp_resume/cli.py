@@ -28,14 +28,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def print_status() -> int:
     """Exit status 0 when FSDP resume is usable: some flavour is patched or native."""
+    import importlib
     import importlib.metadata
 
     import lightning_fsdp_resume as shim
 
+    from ._versions import FLAVOURS
+
     # importing the flavours applies the patch, so the report says what a training script would get
-    for package in ("lightning.pytorch", "pytorch_lightning"):
+    for flavour in FLAVOURS:
         try:
-            __import__(package)
+            importlib.import_module(flavour.package)
         except ImportError:
             pass
     for dist in ("torch", "wrapt"):

@@ -108,6 +108,8 @@ def _rank_main(argv: List[str]) -> None:
 
     import lightning_fsdp_resume  # noqa: F401  (the one line a user adds)
 
+    from .testing import enable_cpu_fsdp, leave_process_group
+
     try:
         import lightning.pytorch as L
     except ImportError:
@@ -118,8 +120,6 @@ def _rank_main(argv: List[str]) -> None:
     if torch.cuda.device_count() >= ranks:
         accelerator = "gpu"
     else:
-        from .testing import enable_cpu_fsdp
-
         enable_cpu_fsdp()
         accelerator = "cpu"
 
@@ -165,10 +165,7 @@ def _rank_main(argv: List[str]) -> None:
         logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
     )
     trainer.fit(Regressor(args.hidden), train_dataloaders=data, ckpt_path=args.ckpt_path)
-    # Leave together: a rank exiting while gloo still talks to it can abort the other ("terminate called ...").
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -46,6 +46,19 @@ def disable_cpu_fsdp() -> None:
         _patcher.revert(cls)
 
 
+def leave_process_group() -> None:
+    """End a rank program: wait for every rank, then destroy the process group.
+
+    A rank that exits while gloo still talks to it can abort another ("terminate called without an
+    active exception"), e.g. after ``trainer.predict``, which ends without a barrier.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _default_cpu_device_id(original_init: Callable) -> Callable:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         import torch

@@ -25,7 +25,7 @@ else:
 if os.environ.get("WORKER_SHIM", "1") == "1":
     import lightning_fsdp_resume  # noqa: F401  (the one-line activation under test)
 
-from lightning_fsdp_resume.testing import enable_cpu_fsdp
+from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
 
 
 class Net(L.LightningModule):
@@ -220,10 +220,7 @@ def main() -> None:
         trainer.fit(model, train_dataloaders=data(), ckpt_path=args.ckpt_path)
     else:
         getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=args.ckpt_path)
-    # Leave together: a rank exiting while gloo still talks to it can abort the other ("terminate called ...").
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
