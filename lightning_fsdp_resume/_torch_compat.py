@@ -174,6 +174,7 @@ def load_file(path: Path, lazy: bool) -> Any:
     """
     import torch
 
+    path = str(path)  # torch 2.1/2.2 memory-map only a str filename, not a Path
     if lazy and torch_release() >= _LOAD_MMAP:
         try:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
