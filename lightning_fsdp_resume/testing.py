@@ -1,12 +1,14 @@
 """Run Lightning's ``FSDPStrategy`` on the CPU, for tests in CI without GPUs (like ``torch.testing``).
 
-Lightning 2.0.x and 2.1.x refuse FSDP unless the accelerator is a GPU, and torch's FSDP needs
-``device_id=torch.device("cpu")`` to shard CPU parameters. ``enable_cpu_fsdp()`` lifts both, in this
+Lightning 2.0.x and 2.1.x refuse FSDP unless the accelerator is a GPU, torch's FSDP needs
+``device_id=torch.device("cpu")`` to shard CPU parameters, and gathering a full state dict with
+``offload_to_cpu=True`` (native Lightning asks for it) crashes torch when the parameters are already on
+the CPU. ``enable_cpu_fsdp()`` lifts all three, in this
 process, until ``disable_cpu_fsdp()``; launch ranks with ``torchrun`` and ``Trainer(accelerator="cpu",
 devices=N)`` and the gloo backend is chosen. A plain ``import lightning_fsdp_resume`` never applies it.
 
-Limits: torch 2.0 and 2.1 cannot run FSDP over gloo (no ``_allgather_base``); on torch 2.2 gathering a
-full optimizer state with ``use_orig_params=True`` calls ``torch.cuda.synchronize()`` and fails.
+Limits: torch 2.0 and 2.1 cannot run FSDP over gloo (no ``_allgather_base``); on torch 2.2 an optimizer
+state dict with ``use_orig_params=True`` (full or sharded) goes through ``torch.cuda`` and fails.
 """
 import importlib
 from typing import Any, Callable, Tuple
@@ -15,7 +17,7 @@ from ._patcher import Patcher, Wrap
 from ._versions import FLAVOURS
 
 _patcher = Patcher()
-_GPU_ONLY_MESSAGE = "GPU accelerator is not used"
+_GPU_ONLY_MESSAGE = "GPU accelerator"  # 2.0.x: "... is not used"; later: "requires a GPU accelerator"
 
 
 def cpu_fsdp_supported() -> Tuple[bool, str]:
@@ -28,11 +30,28 @@ def cpu_fsdp_supported() -> Tuple[bool, str]:
     return True, ""
 
 
+def cpu_optimizer_state_supported(use_orig_params: bool) -> Tuple[bool, str]:
+    """Whether this torch can produce an optimizer state dict (full or sharded) of CPU FSDP ranks; if not, why."""
+    from ._torch_compat import torch_release
+
+    if use_orig_params and torch_release()[:2] == (2, 2):
+        return False, (
+            "torch 2.2 gathers optimizer state with use_orig_params=True through torch.cuda calls,"
+            " which fail without a GPU"
+        )
+    return True, ""
+
+
 def enable_cpu_fsdp() -> None:
     """Allow ``FSDPStrategy`` with ``accelerator="cpu"``. Idempotent. Imports torch and installed Lightning."""
     from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.api import FullOptimStateDictConfig, FullStateDictConfig
 
     _patcher.apply(FullyShardedDataParallel, {"__init__": Wrap(_default_cpu_device_id)})
+    # Native Lightning (2.1+) gathers full checkpoints with offload_to_cpu=True, which crashes torch
+    # when the parameters already live on the CPU. FSDP checks the configs' exact type: patch, not subclass.
+    for config in (FullStateDictConfig, FullOptimStateDictConfig):
+        _patcher.apply(config, {"__init__": Wrap(_no_offload_on_cpu)})
     for flavour in FLAVOURS:
         try:
             module = importlib.import_module(f"{flavour.package}.trainer.connectors.accelerator_connector")
@@ -66,6 +85,17 @@ def _default_cpu_device_id(original_init: Callable) -> Callable:
         if kwargs.get("device_id") is None and not torch.cuda.is_available():
             kwargs["device_id"] = torch.device("cpu")
         original_init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _no_offload_on_cpu(original_init: Callable) -> Callable:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        original_init(self, *args, **kwargs)
+        if not torch.cuda.is_available():
+            self.offload_to_cpu = False
 
     return __init__
 
