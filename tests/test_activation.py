@@ -83,13 +83,14 @@ def test_native_lightning_is_left_untouched(package):
 
 
 def test_environment_variable_disables_the_automatic_patch():
+    imports = "; ".join(f"import {package}" for package in INSTALLED)
     out = python(
-        """
+        f"""
         import lightning_fsdp_resume as shim
-        import lightning.pytorch, pytorch_lightning
-        print(sorted({s.mode for s in shim.status().values()}))
+        {imports}
+        print(sorted({{s.mode for s in shim.status().values()}}))
         shim.patch()
-        print(sorted({s.mode for s in shim.status().values()}))
+        print(sorted({{s.mode for s in shim.status().values()}}))
         """,
         env={shim.DISABLE_ENV: "1"},
     )
