@@ -72,3 +72,14 @@ def installed_version(flavour: Flavour) -> Optional[str]:
     except metadata.PackageNotFoundError:
         return None
 
+
+
+def import_installed_flavours() -> None:
+    """Import every installed flavour (so the shim's hooks run); a flavour that fails to import is skipped."""
+    import importlib
+
+    for flavour in FLAVOURS:
+        try:
+            importlib.import_module(flavour.package)
+        except ImportError:
+            pass

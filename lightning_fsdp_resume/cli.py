@@ -28,19 +28,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def print_status() -> int:
     """Exit status 0 when FSDP resume is usable: some flavour is patched or native."""
-    import importlib
     import importlib.metadata
 
     import lightning_fsdp_resume as shim
 
-    from ._versions import FLAVOURS
+    from ._versions import import_installed_flavours
 
-    # importing the flavours applies the patch, so the report says what a training script would get
-    for flavour in FLAVOURS:
-        try:
-            importlib.import_module(flavour.package)
-        except ImportError:
-            pass
+    import_installed_flavours()  # applies the patch, so the report says what a training script would get
     for dist in ("torch", "wrapt"):
         try:
             version = importlib.metadata.version(dist)
