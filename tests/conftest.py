@@ -1,5 +1,30 @@
+import json
+import os
 import sys
 from pathlib import Path
 
 # The tests import their helpers (ranks, states, fsdp_worker) by module name.
 sys.path.insert(0, str(Path(__file__).parent))
+
+RESULTS_ENV = "LIGHTNING_FSDP_RESUME_RESULTS"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where tox asks for it, write this run's versions, shim modes and counts for the matrix table."""
+    target = os.environ.get(RESULTS_ENV)
+    if not target:
+        return
+    import torch
+
+    import lightning_fsdp_resume as shim
+    from lightning_fsdp_resume._versions import import_installed_flavours
+
+    import_installed_flavours()  # so that status() reports what a training script would get
+    stats = terminalreporter.stats
+    record = {
+        "torch": torch.__version__,
+        "lightning": {p: [s.version, s.mode] for p, s in shim.status().items() if s.version},
+        **{key: len(stats.get(key, [])) for key in ("passed", "skipped", "failed", "error")},
+    }
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    Path(target).write_text(json.dumps(record))
