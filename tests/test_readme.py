@@ -1,0 +1,34 @@
+"""The README's compatibility table is checked against the tox matrix."""
+import configparser
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def _tox():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "tox.ini")
+    return config
+
+
+def _readme_environments():
+    return re.findall(r"^\| `([a-z0-9-]+)` \|", (ROOT / "README.md").read_text(), flags=re.M)
+
+
+def test_readme_table_lists_every_default_environment():
+    default = [e for e in _tox()["tox"]["envlist"].split() if e != "summary"]
+    listed = _readme_environments()
+    assert set(default) <= set(listed), set(default) - set(listed)
+    rows = {name: line for name, line in re.findall(r"^\| `([a-z0-9-]+)` \|(.*)$", (ROOT / "README.md").read_text(), re.M)}
+    assert all(rows[name].rstrip().endswith("| yes |") for name in default)
+    assert all(rows[name].rstrip().endswith("| no |") for name in set(listed) - set(default))
+
+
+def test_every_readme_environment_is_made_of_known_factors():
+    factors = set(re.findall(r"^\s*([a-z0-9{},]+):", _tox()["testenv"]["deps"], flags=re.M))
+    known = {f for entry in factors for f in re.split(r"[{},]", entry) if f}
+    known |= {f"torch{v}" for entry in factors if entry.startswith("torch{") for v in re.split(r"[{},]", entry[6:]) if v}
+    for name in _readme_environments():
+        unknown = [f for f in name.split("-") if f not in known]
+        assert not unknown, f"{name}: factors {unknown} select nothing in tox.ini"
