@@ -27,6 +27,11 @@ def is_full_checkpoint(path: Path) -> bool:
     return path.is_file()
 
 
+def is_replaceable_directory(path: Path) -> bool:
+    """A directory a save may replace: empty, or holding only what a sharded checkpoint holds."""
+    return all(p.name in (METADATA_FILENAME, ".metadata") or p.suffix == ".distcp" for p in path.iterdir())
+
+
 def count_saved_optimizers(storage_keys: Iterable[str]) -> int:
     """How many ``optimizer_{i}`` entries a sharded checkpoint's metadata keys name."""
     indices = {int(m.group(1)) for m in map(_OPTIMIZER_KEY.match, storage_keys) if m}

@@ -5,12 +5,14 @@ table in ``_patches`` puts these on the class. Works for ``lightning.pytorch`` a
 alike by touching Lightning only through the strategy object.
 """
 import functools
-import shutil
+import secrets
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
+from . import _atomic
 from . import _format
+from . import _verify
 from . import _torch_compat as compat
 
 _STATE_DICT_TYPES = ("full", "sharded")
@@ -74,63 +76,74 @@ def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
 
 
 def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    """Write into a hidden partial sibling; rank 0 puts it at ``filepath`` once every rank has finished.
+
+    Native 2.1.4 writes in place: a crash mid-save leaves a mix of old and new shards that loads.
+    Here the previous checkpoint at ``filepath`` stays intact until the new one is complete.
+    """
     if storage_options is not None:
         raise TypeError(
             "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported because"
             " `FSDPStrategy` does not use the `CheckpointIO`."
         )
     full = _is_full(self)
-    path = Path(self.broadcast(filepath))
+    # Every rank writes where rank 0 says, into the same partial directory.
+    target, token = self.broadcast((str(filepath), secrets.token_hex(8)))
+    path = Path(target)
+    if path.is_dir() and not _format.is_replaceable_directory(path):
+        raise IsADirectoryError(
+            f"The checkpoint path {str(path)!r} is a directory that is not a sharded checkpoint, so saving would"
+            " replace its contents. Choose another path or remove the directory."
+        )
+    partial = _atomic.partial_path(path, token)
     if full:
-        if path.is_dir() and not _format.is_sharded_checkpoint(path):
-            raise IsADirectoryError(
-                f"The checkpoint path {str(path)!r} is a directory that is not a sharded checkpoint; a full"
-                " checkpoint is a single file. Choose another path or remove the directory."
-            )
         if self.global_rank == 0:
-            if _format.is_sharded_checkpoint(path):
-                shutil.rmtree(path)
-            self.checkpoint_io.save_checkpoint(checkpoint, path)
+            self.checkpoint_io.save_checkpoint(checkpoint, partial)
+            _atomic.sync_file(partial)
+            _publish(partial, path)
     else:
-        if self.global_rank == 0 and path.is_file():
-            path.unlink()
-        self.barrier()
-        path.mkdir(parents=True, exist_ok=True)
+        partial.mkdir(parents=True, exist_ok=True)
         stored = {_format.MODEL_KEY: checkpoint.pop("state_dict")}
         for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             stored[_format.optimizer_key(index)] = optimizer_state
-        compat.save_distributed(stored, path)
+        compat.save_distributed(stored, partial)
         if self.global_rank == 0:
-            import torch
-
-            torch.save(checkpoint, path / _format.METADATA_FILENAME)
+            compat.save_file(checkpoint, partial / _format.METADATA_FILENAME)
+        self.barrier()  # every rank's shards are on disk
+        if self.global_rank == 0:
+            _publish(partial, path)
     self.barrier()
+
+
+def _publish(partial: Path, path: Path) -> None:
+    """Rank 0: the complete save replaces ``path``; then the replaced checkpoint and any leftovers go."""
+    replaced = _atomic.publish(partial, path)
+    for leftover in ([replaced] if replaced else []) + _atomic.leftovers(path.parent):
+        _atomic.remove(leftover)
 
 
 def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
     # Every rank loads what rank 0 names, so all shards come from one checkpoint.
-    path = Path(self.broadcast(checkpoint_path))
-    if _format.is_sharded_checkpoint(path):
+    path = Path(self.broadcast(str(checkpoint_path)))
+    # Rank 0 checks the files; every rank raises its verdict, so none waits in a collective.
+    kind = _decided_on_rank_zero(self, _verify.checkpoint_kind, path)
+    if kind == _verify.SHARDED:
         return _load_sharded(self, path)
-    if _format.is_full_checkpoint(path):
-        return _load_full(self, path)
-    raise ValueError(
-        f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
-        f" directory with FSDP checkpoint shards and its {_format.METADATA_FILENAME!r}, or a single file with a"
-        " full checkpoint."
-    )
+    return _load_full(self, path)
 
 
 def _load_sharded(self: Any, path: Path) -> Dict[str, Any]:
     prefix = _prefix(self)
     fitting = _fitting(self)
+    shards = compat.read_shard_index(path)
     if fitting:
-        _check_optimizer_count(self, _format.count_saved_optimizers(compat.stored_keys(path)), path)
+        _check_optimizer_count(self, _format.count_saved_optimizers(shards.state_dict_metadata), path)
     model_state = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
-    container = {_format.MODEL_KEY: model_state}
+    keys = _loadable_keys(self, path, model_state, _verify.stored_model_shapes(shards), fitting)
+    container = {_format.MODEL_KEY: {key: value for key, value in model_state.items() if key in keys}}
     compat.load_distributed(container, path)
     model_state = container[_format.MODEL_KEY]
-    compat.load_model_state_dict(self.model, _format.add_prefix(model_state, prefix), full=False)
+    compat.load_model_state_dict(self.model, _format.add_prefix(model_state, prefix), full=False, strict=_strict(self))
     if fitting:
         for index, optimizer in enumerate(self.optimizers):
             state = compat.read_sharded_optimizer_state(
@@ -143,27 +156,29 @@ def _load_sharded(self: Any, path: Path) -> Dict[str, Any]:
                 rename_out=lambda s: _format.add_optimizer_prefix(s, prefix),
             )
             compat.load_optimizer_state_dict(self.model, optimizer, state, full=False)
-    return compat.load_file(path / _format.METADATA_FILENAME, lazy=False)
+    return _verify.read_meta(path)
 
 
 def _load_full(self: Any, path: Path) -> Dict[str, Any]:
-    checkpoint = compat.load_file(path, lazy=True)
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError(
-            f"The file {str(path)!r} is not a Lightning checkpoint: it has no 'state_dict'. Pass the path of a"
-            " checkpoint written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
-        )
+    checkpoint = _verify.read_full(path)
     prefix = _prefix(self)
-    state_dict = checkpoint.pop("state_dict")
-    compat.load_model_state_dict(self.model, _format.add_prefix(state_dict, prefix), full=True)
+    fitting = _fitting(self)
     optimizer_states = checkpoint.get("optimizer_states")
-    if optimizer_states is None or not _fitting(self):
-        # A weights-only checkpoint, or validate/test/predict: weights are all there is to load.
+    if fitting and optimizer_states is not None:
+        _check_optimizer_count(self, len(optimizer_states), path)
+    elif fitting and self.optimizers:
+        raise _verify.weights_only_error(path)
+    state_dict = checkpoint.pop("state_dict")
+    sharded = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
+    keys = _loadable_keys(self, path, sharded, _verify.tensor_shapes(state_dict), fitting)
+    state_dict = {key: value for key, value in state_dict.items() if key in keys}
+    compat.load_model_state_dict(self.model, _format.add_prefix(state_dict, prefix), full=True, strict=_strict(self))
+    if optimizer_states is None or not fitting:
+        # validate/test/predict: weights are all there is to load.
         return checkpoint
     if not compat.supports_sharded_checkpoints():
         _warn_rank_zero(self, "FSDP with PyTorch < 2.0 cannot load the optimizer state; it is left out.")
         return checkpoint
-    _check_optimizer_count(self, len(optimizer_states), path)
     for optimizer, state in zip(self.optimizers, optimizer_states):
         if _format.is_id_keyed(state):
             # Written by a non-FSDP run or by a full FSDP save: map ids to this optimizer's parameters.
@@ -214,12 +229,45 @@ def _names_by_group(self: Any, name_keyed_state: Dict[str, Any]) -> List[List[st
 
 
 def _check_optimizer_count(self: Any, saved: int, path: Path) -> None:
+    if saved == 0 and self.optimizers:
+        raise _verify.weights_only_error(path)
     if saved != len(self.optimizers):
         raise RuntimeError(
             f"You have configured {len(self.optimizers)} optimizers but the checkpoint {str(path)!r} contains"
             f" {saved} optimizers to load. Please resume training with the same number of optimizers or edit"
             " the checkpoint manually to remove states."
         )
+
+
+def _strict(self: Any) -> bool:
+    """``LightningModule.strict_loading`` (the name native Lightning 2.2 uses), True unless set."""
+    return bool(getattr(self.lightning_module, "strict_loading", True))
+
+
+def _loadable_keys(self: Any, path: Path, model_state: Dict[str, Any], stored: Dict[str, Any], fitting: bool) -> Set[str]:
+    expected = _verify.tensor_shapes(model_state)
+    keys = _verify.loadable_keys(path, expected, stored, _strict(self))
+    missing = sorted(set(expected) - keys)
+    if fitting and missing and self.optimizers:
+        raise RuntimeError(
+            f"The checkpoint {str(path)!r} has no weights for {', '.join(missing[:8])}, so the optimizer states"
+            " cannot be resumed. Resume with the model the checkpoint was written for."
+        )
+    return keys
+
+
+def _decided_on_rank_zero(self: Any, check: Callable[..., Any], *args: Any) -> Any:
+    """Run ``check`` on rank 0 and give every rank its result, or raise its error on every rank."""
+    outcome: Any = (None, None)
+    if self.global_rank == 0:
+        try:
+            outcome = (check(*args), None)
+        except (OSError, ValueError, RuntimeError, KeyError) as error:
+            outcome = (None, error)
+    result, error = self.broadcast(outcome)
+    if error is not None:
+        raise error
+    return result
 
 
 def _warn_rank_zero(self: Any, message: str) -> None:

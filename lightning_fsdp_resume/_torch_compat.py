@@ -3,9 +3,10 @@
 Each function does one thing the same way on every supported torch, choosing the API that release
 expects. torch is imported inside the functions: importing the shim must not import torch.
 """
+import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 # torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict.
 _STATE_DICT_API = (2, 4)
@@ -159,11 +160,12 @@ def load_distributed(state: Dict[str, Any], path: Path) -> None:
         dcp.load_state_dict(state, storage_reader=reader)
 
 
-def stored_keys(path: Path) -> List[str]:
-    """The flattened keys a sharded checkpoint's ``.metadata`` lists."""
+def read_shard_index(path: Path) -> Any:
+    """A sharded checkpoint's ``.metadata``: every stored entry (``state_dict_metadata``, flattened keys
+    with global shapes) and where its bytes are (``storage_data``: file, offset, length)."""
     import torch.distributed.checkpoint as dcp
 
-    return list(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return dcp.FileSystemReader(str(path)).read_metadata()
 
 
 def load_file(path: Path, lazy: bool) -> Any:
@@ -183,3 +185,13 @@ def load_file(path: Path, lazy: bool) -> Any:
             if "mmap" not in str(error):
                 raise
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` flushed to the disk: it is about to be published by a rename."""
+    import torch
+
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())

@@ -1,0 +1,167 @@
+"""Checks made before anything is loaded: a checkpoint that is incomplete, damaged or for another model
+is refused with the path, what was found and what to do. Nothing here writes to the checkpoint.
+"""
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional, Set, Tuple
+
+from . import _atomic
+from . import _format
+from . import _torch_compat as compat
+
+SHARDED = "sharded"
+FULL = "full"
+_INDEX = ".metadata"  # torch.distributed.checkpoint's index of the shards
+
+
+def checkpoint_kind(path: Path) -> str:
+    """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise."""
+    if not path.exists():
+        raise FileNotFoundError(_missing(path))
+    if path.is_file():
+        if path.stat().st_size == 0:
+            raise ValueError(f"The checkpoint file {str(path)!r} is empty. Resume from another checkpoint.")
+        return FULL
+    _check_sharded(path)
+    return SHARDED
+
+
+def _missing(path: Path) -> str:
+    message = f"The checkpoint path {str(path)!r} does not exist."
+    moved = _atomic.previous_of(path)
+    if moved:
+        message += (
+            f" A save into it stopped between its two renames and left the previous checkpoint at"
+            f" {str(moved[-1])!r}: rename that to {str(path)!r} to resume from it."
+        )
+    return message
+
+
+def _check_sharded(path: Path) -> None:
+    meta, index = path / _format.METADATA_FILENAME, path / _INDEX
+    incomplete = " Its save did not finish or it was damaged; resume from another checkpoint."
+    if not any(path.iterdir()):
+        raise ValueError(f"The checkpoint path {str(path)!r} is an empty directory, not a checkpoint.")
+    if not meta.is_file() and not index.is_file():
+        raise ValueError(
+            f"The directory {str(path)!r} is not a checkpoint: it has neither {_format.METADATA_FILENAME!r} nor the"
+            f" shard index {_INDEX!r}. Pass a sharded checkpoint directory or a full checkpoint file."
+        )
+    if not meta.is_file():
+        raise ValueError(f"The sharded checkpoint {str(path)!r} has no {_format.METADATA_FILENAME!r}." + incomplete)
+    if not index.is_file():
+        raise ValueError(f"The sharded checkpoint {str(path)!r} has no shard index {_INDEX!r}." + incomplete)
+    try:
+        shards = compat.read_shard_index(path)
+    except Exception as error:
+        raise ValueError(f"The shard index {str(index)!r} cannot be read ({_describe(error)})." + incomplete) from error
+    for relative, needed in _bytes_needed(shards).items():
+        shard = path / relative
+        if not shard.is_file():
+            raise ValueError(f"The shard file {str(shard)!r} is missing." + incomplete)
+        size = shard.stat().st_size
+        if size < needed:
+            raise ValueError(f"The shard file {str(shard)!r} is truncated: {size} bytes, {needed} expected." + incomplete)
+    read_meta(path)
+
+
+def read_meta(path: Path) -> Dict[str, Any]:
+    """A sharded checkpoint's ``meta.pt``: everything but the model and optimizer states."""
+    meta = path / _format.METADATA_FILENAME
+    try:
+        content = compat.load_file(meta, lazy=False)
+    except Exception as error:
+        raise ValueError(
+            f"{str(meta)!r} cannot be read ({_describe(error)}). The checkpoint is damaged; resume from another one."
+        ) from error
+    if not isinstance(content, dict):
+        raise ValueError(f"{str(meta)!r} holds a {type(content).__name__}, not a checkpoint's metadata dict.")
+    return content
+
+
+def read_full(path: Path) -> Dict[str, Any]:
+    """A full checkpoint file, memory-mapped where torch allows."""
+    try:
+        checkpoint = compat.load_file(path, lazy=True)
+    except Exception as error:
+        raise ValueError(
+            f"The file {str(path)!r} is not a checkpoint torch can read ({_describe(error)}). Pass a checkpoint"
+            " written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
+        ) from error
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(
+            f"The file {str(path)!r} is not a Lightning checkpoint: it has no 'state_dict'. Pass the path of a"
+            " checkpoint written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
+        )
+    return checkpoint
+
+
+def _bytes_needed(shards: Any) -> Dict[str, int]:
+    """Per shard file, the smallest size that holds every item the index places in it."""
+    needed: Dict[str, int] = {}
+    for info in shards.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    return needed
+
+
+def stored_model_shapes(shards: Any) -> Dict[str, Optional[Tuple[int, ...]]]:
+    """The model entries a sharded checkpoint's index lists, with their global shapes (None: not a tensor)."""
+    prefix = f"{_format.MODEL_KEY}."
+    return {
+        key[len(prefix) :]: tuple(entry.size) if hasattr(entry, "size") else None
+        for key, entry in shards.state_dict_metadata.items()
+        if key.startswith(prefix)
+    }
+
+
+def tensor_shapes(state: Dict[str, Any]) -> Dict[str, Optional[Tuple[int, ...]]]:
+    """Global shapes of a state dict's entries: sharded tensors report the whole tensor's size."""
+    return {key: tuple(value.size()) if hasattr(value, "size") else None for key, value in state.items()}
+
+
+def loadable_keys(
+    path: Path,
+    expected: Dict[str, Optional[Tuple[int, ...]]],
+    stored: Dict[str, Optional[Tuple[int, ...]]],
+    strict: bool,
+) -> Set[str]:
+    """The model keys to load; refuses a checkpoint of another model (``strict``: any key difference)."""
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    mis_shaped = [
+        f"{key}: checkpoint {stored[key]}, model {expected[key]}"
+        for key in sorted(set(expected) & set(stored))
+        if stored[key] is not None and expected[key] is not None and stored[key] != expected[key]
+    ]
+    problems = []
+    if mis_shaped:
+        problems.append("shapes differ for " + _listing(mis_shaped))
+    if strict and missing:
+        problems.append("missing from the checkpoint: " + _listing(missing))
+    if strict and unexpected:
+        problems.append("not in the model: " + _listing(unexpected))
+    if problems:
+        hint = "" if mis_shaped else " Set `strict_loading = False` on the LightningModule to load the keys both have."
+        raise RuntimeError(
+            f"The checkpoint {str(path)!r} does not fit this model: " + "; ".join(problems) + "." + hint
+        )
+    return set(expected) & set(stored)
+
+
+def weights_only_error(path: Path) -> KeyError:
+    return KeyError(
+        f"The checkpoint {str(path)!r} holds only the model weights (saved with `save_weights_only=True`?),"
+        " so `fit` cannot resume from it. Load the weights with `LightningModule.load_from_checkpoint` and call"
+        " `fit` without `ckpt_path`, or resume from a checkpoint with optimizer states."
+    )
+
+
+def _listing(items: Iterable[str], limit: int = 8) -> str:
+    items = list(items)
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
