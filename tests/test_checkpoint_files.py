@@ -1,0 +1,223 @@
+"""Saving and refusing checkpoint files, in one process: atomic replacement, leftovers of failed saves,
+and the clear error each broken input gets. Checkpoints are made by the patched strategy's own
+``save_checkpoint`` over a one-process gloo group; the multi-rank versions are in test_crash_safety.py.
+"""
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_fsdp_resume import _atomic, _verify
+from lightning_fsdp_resume import _torch_compat as compat
+from test_activation import PATCHABLE, strategy_class
+
+needs_patch = pytest.mark.skipif(not PATCHABLE, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """torch.distributed.checkpoint wants a process group on torch < 2.2: one rank over gloo."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _strategy(kind: str):
+    strategy = strategy_class(PATCHABLE[0])(state_dict_type=kind)
+    strategy.broadcast = lambda obj, src=0: obj  # one process: rank 0's value is everyone's
+    strategy.barrier = lambda *args, **kwargs: None
+    return strategy
+
+
+def _checkpoint(epoch: int):
+    import torch
+
+    weight, bias = torch.full((4, 3), float(epoch)), torch.arange(4.0)
+    return {
+        "epoch": epoch,
+        "state_dict": {"layer.weight": weight, "layer.bias": bias},
+        "optimizer_states": [
+            {"state": {"layer.weight": {"exp_avg": weight * 2, "step": torch.tensor(float(epoch))}},
+             "param_groups": [{"lr": 0.1, "params": ["layer.weight", "layer.bias"]}]}
+        ],
+    }
+
+
+def save(path: Path, epoch: int, kind: str = "sharded") -> Path:
+    _strategy(kind).save_checkpoint(_checkpoint(epoch), path)
+    return path
+
+
+def saved_epoch(path: Path) -> int:
+    return (_verify.read_meta(path) if path.is_dir() else compat.load_file(path, lazy=False))["epoch"]
+
+
+def hashes(path: Path):
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def test_partial_saves_are_hidden_and_never_named_last(tmp_path):
+    partial = _atomic.partial_path(tmp_path / "last.ckpt", "abc")
+    assert partial.parent == tmp_path and partial.name.startswith(".") and "last" not in partial.name
+
+
+@needs_patch
+class TestAtomicSaves:
+    @pytest.fixture(autouse=True)
+    def group(self, process_group):
+        yield
+
+    def test_a_save_leaves_only_the_complete_checkpoint(self, tmp_path):
+        path = save(tmp_path / "last.ckpt", 1)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+        assert {"meta.pt", ".metadata"} <= {p.name for p in path.iterdir()}
+        assert _verify.checkpoint_kind(path) == _verify.SHARDED and saved_epoch(path) == 1
+
+    @pytest.mark.parametrize("first,second", [("sharded", "sharded"), ("sharded", "full"), ("full", "sharded"), ("full", "full")])
+    def test_overwriting_replaces_the_checkpoint_whole(self, tmp_path, first, second):
+        path = save(tmp_path / "last.ckpt", 1, first)
+        save(path, 2, second)
+        assert saved_epoch(path) == 2 and (path.is_dir() == (second == "sharded"))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+    def test_a_failed_save_keeps_the_previous_checkpoint_and_the_next_one_cleans_up(self, tmp_path, monkeypatch):
+        path = save(tmp_path / "last.ckpt", 1)
+        before = hashes(path)
+
+        def fail_after_writing(state, partial):
+            original(state, partial)
+            raise OSError("disk full")
+
+        original = compat.save_distributed
+        monkeypatch.setattr(compat, "save_distributed", fail_after_writing)
+        with pytest.raises(OSError, match="disk full"):
+            save(path, 2)
+        monkeypatch.undo()
+        assert hashes(path) == before
+        leftovers = _atomic.leftovers(tmp_path)
+        assert len(leftovers) == 1 and "last" not in leftovers[0].name
+        save(path, 3)
+        assert saved_epoch(path) == 3 and _atomic.leftovers(tmp_path) == []
+
+    def test_without_atomic_exchange_a_crash_between_renames_names_the_previous(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(_atomic, "_exchange", lambda first, second: False)  # e.g. NFS
+        path = save(tmp_path / "last.ckpt", 1)
+        save(path, 2)
+        assert saved_epoch(path) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+        moved, real_rename = [], os.rename
+
+        def killed_before_the_second_rename(source, target):
+            if Path(target) == path:
+                raise KeyboardInterrupt("killed between the renames")
+            if Path(source) == path:
+                moved.append(Path(target))
+            real_rename(source, target)
+
+        monkeypatch.setattr(os, "rename", killed_before_the_second_rename)
+        with pytest.raises(KeyboardInterrupt):
+            save(path, 3)
+        monkeypatch.undo()
+        assert not path.exists()
+        with pytest.raises(FileNotFoundError, match="rename that to") as refused:
+            _strategy("sharded").load_checkpoint(path)
+        assert str(moved[0]) in str(refused.value) and saved_epoch(moved[0]) == 2
+
+    def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(self, tmp_path):
+        path = tmp_path / "results"
+        path.mkdir()
+        (path / "notes.txt").write_text("keep me")
+        for kind in ("sharded", "full"):
+            with pytest.raises(IsADirectoryError, match="not a sharded checkpoint"):
+                save(path, 1, kind)
+        assert [p.name for p in path.iterdir()] == ["notes.txt"] and _atomic.leftovers(tmp_path) == []
+
+
+def _damage(path: Path, how: str) -> None:
+    shards = sorted(path.glob("*.distcp"))
+    if how == "no meta.pt":
+        (path / "meta.pt").unlink()
+    elif how == "meta.pt alone":
+        for p in path.iterdir():
+            if p.name != "meta.pt":
+                p.unlink()
+    elif how == "missing shard":
+        shards[0].unlink()
+    elif how == "truncated shard":
+        shards[0].write_bytes(shards[0].read_bytes()[:10])
+    elif how == "corrupt .metadata":
+        (path / ".metadata").write_bytes(b"garbage")
+    elif how == "corrupt meta.pt":
+        (path / "meta.pt").write_bytes(b"garbage")
+
+
+SHARDED_DAMAGE = {
+    "no meta.pt": (ValueError, "has no 'meta.pt'"),
+    "meta.pt alone": (ValueError, "has no shard index '.metadata'"),
+    "missing shard": (ValueError, r"The shard file .* is missing"),
+    "truncated shard": (ValueError, r"The shard file .* is truncated: 10 bytes"),
+    "corrupt .metadata": (ValueError, r"The shard index .* cannot be read"),
+    "corrupt meta.pt": (ValueError, r"meta.pt' cannot be read"),
+}
+
+
+@needs_patch
+@pytest.mark.parametrize("how", sorted(SHARDED_DAMAGE))
+def test_damaged_sharded_checkpoint_is_refused_untouched(tmp_path, process_group, how):
+    path = save(tmp_path / "damaged.ckpt", 1)
+    _damage(path, how)
+    before = hashes(path)
+    error, message = SHARDED_DAMAGE[how]
+    with pytest.raises(error, match=message) as refused:
+        _strategy("sharded").load_checkpoint(path)
+    assert str(path) in str(refused.value)
+    assert hashes(path) == before
+
+
+@needs_patch
+@pytest.mark.parametrize(
+    "what,error,message",
+    [
+        ("missing", FileNotFoundError, "does not exist"),
+        ("empty directory", ValueError, "is an empty directory, not a checkpoint"),
+        ("other directory", ValueError, "is not a checkpoint: it has neither 'meta.pt' nor the shard index"),
+        ("empty file", ValueError, "is empty"),
+        ("text file", ValueError, "is not a checkpoint torch can read"),
+        ("list", ValueError, "is not a Lightning checkpoint: it has no 'state_dict'"),
+    ],
+)
+def test_what_is_not_a_checkpoint_is_refused_with_its_path(tmp_path, what, error, message):
+    import torch
+
+    path = tmp_path / "bad.ckpt"
+    if what == "empty directory":
+        path.mkdir()
+    elif what == "other directory":
+        path.mkdir()
+        (path / "notes.txt").write_text("x")
+    elif what == "empty file":
+        path.touch()
+    elif what == "text file":
+        path.write_text("not a checkpoint\n")
+    elif what == "list":
+        torch.save([1, 2, 3], path)
+    before = hashes(path) if path.exists() else None
+    with pytest.raises(error, match=message) as refused:
+        _strategy("full").load_checkpoint(path)
+    assert str(path) in str(refused.value)
+    assert (hashes(path) if path.exists() else None) == before
+
+
+def test_model_fit_check_honours_strict(tmp_path):
+    model = {"a": (2, 3), "b": (3,)}
+    assert _verify.loadable_keys(tmp_path, model, {"a": (2, 3), "b": (3,), "extra": (1,)}, strict=False) == {"a", "b"}
+    assert _verify.loadable_keys(tmp_path, model, {"a": (2, 3)}, strict=False) == {"a"}
+    with pytest.raises(RuntimeError, match=r"missing from the checkpoint: b; not in the model: c\..*strict_loading"):
+        _verify.loadable_keys(tmp_path, model, {"a": (2, 3), "c": (1,)}, strict=True)
+    with pytest.raises(RuntimeError, match=r"shapes differ for a: checkpoint \(3, 2\), model \(2, 3\)"):
+        _verify.loadable_keys(tmp_path, model, {"a": (3, 2), "b": (3,)}, strict=False)
