@@ -6,7 +6,27 @@ from pathlib import Path
 # The tests import their helpers (ranks, states, fsdp_worker) by module name.
 sys.path.insert(0, str(Path(__file__).parent))
 
+import pytest  # noqa: E402
+
 RESULTS_ENV = "LIGHTNING_FSDP_RESUME_RESULTS"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Uninterrupted 2-rank runs, one per configuration, made on first use and shared by the tests."""
+    from ranks import EPOCHS, config, worker
+
+    runs = {}
+
+    def get(state_dict_type: str, use_orig_params: int, optimizers: int = 1) -> Path:
+        key = (state_dict_type, use_orig_params, optimizers)
+        if key not in runs:
+            root = tmp_path_factory.mktemp(f"ref-{state_dict_type}-{use_orig_params}-{optimizers}")
+            worker(root, *config(root, *key), "--max-epochs", EPOCHS)
+            runs[key] = root
+        return runs[key]
+
+    return get
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -77,6 +77,25 @@ class Net(L.LightningModule):
         ]
 
 
+class WideNet(Net):
+    """The same names as Net, a wider body: a checkpoint of Net does not fit it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16))
+
+
+class ExtraNet(Net):
+    """Net plus a layer Net's checkpoints do not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Sequential(nn.Linear(2, 2))
+
+    def forward(self, x):
+        return self.extra(super().forward(x))
+
+
 class TwoOptimizerNet(Net):
     """Two optimizers (manual optimization): Adam for the body, SGD with momentum for the head."""
 
@@ -166,6 +185,77 @@ def full_optimizer_state(trainer, optimizer):
     return {_clean(name): v for name, v in state["state"].items()}
 
 
+def kill_during_saves(strategy, point: str, rank: int, save: int) -> None:
+    """Fault injection: SIGKILL ``rank`` at ``point`` of the ``save``-th checkpoint save of this process.
+
+    Points: ``before-shards`` (nothing written yet), ``mid-shards`` (after this rank's shard file),
+    ``after-shards`` (shards done, ``meta.pt`` not written), ``before-publish`` (complete, not yet in
+    place), ``after-publish`` (in place, replaced checkpoint not yet removed); ``mid-file`` for full saves
+    (half of the file written).
+    """
+    import signal
+
+    from lightning_fsdp_resume import _atomic
+    from lightning_fsdp_resume import _torch_compat as compat
+
+    saves = [0]
+    original_save = strategy.save_checkpoint
+
+    def counting_save(*args, **kwargs):
+        saves[0] += 1
+        return original_save(*args, **kwargs)
+
+    strategy.save_checkpoint = counting_save
+
+    def die(where: str) -> None:
+        if where == point and strategy.global_rank == rank and saves[0] == save:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def around(owner, name, before, after):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            die(before)
+            result = original(*args, **kwargs)
+            die(after)
+            return result
+
+        setattr(owner, name, wrapped)
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    around(compat, "save_distributed", "before-shards", "after-shards")
+    around(fs.FileSystemWriter, "write_data", "", "mid-shards")
+    around(_atomic, "publish", "before-publish", "after-publish")
+
+    original_save_file = strategy.checkpoint_io.save_checkpoint
+
+    def half_then_die(checkpoint, path, storage_options=None):
+        if point == "mid-file" and strategy.global_rank == rank and saves[0] == save:
+            original_save_file(checkpoint, path)
+            with open(path, "r+b") as handle:
+                handle.truncate(os.path.getsize(path) // 2)
+            die("mid-file")
+        return original_save_file(checkpoint, path)
+
+    strategy.checkpoint_io.save_checkpoint = half_then_die
+
+
+def trace_meta_writes(log: Path) -> None:
+    """Append one line per ``meta.pt`` written, naming the writing rank."""
+    from lightning_fsdp_resume import _torch_compat as compat
+
+    original = compat.save_file
+
+    def traced(obj, path):
+        with open(log, "a") as handle:
+            handle.write(f"{os.environ.get('RANK', '0')} {path}\n")
+        return original(obj, path)
+
+    compat.save_file = traced
+
+
 def _clean(name: str) -> str:
     """A parameter name as the LightningModule itself has it, without FSDP's or Lightning 2.0.x's wrappers."""
     return name.replace("_fsdp_wrapped_module.", "").replace("_forward_module.", "")
@@ -183,6 +273,13 @@ def main() -> None:
     parser.add_argument("--fn", choices=["fit", "validate", "test", "predict"], default="fit")
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--top-k", type=int, default=-1, help="-1: keep every epoch; else monitor step, keep k, save last")
+    parser.add_argument("--last-only", action="store_true", help="only last.ckpt, overwritten every epoch")
+    parser.add_argument("--weights-only", action="store_true", help="ModelCheckpoint(save_weights_only=True)")
+    parser.add_argument("--net", choices=["net", "wide", "extra"], default="net")
+    parser.add_argument("--strict", type=int, default=1, help="LightningModule.strict_loading")
+    parser.add_argument("--other-ranks-ckpt-path", default=None, help="what ranks > 0 pass as ckpt_path")
+    parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see kill_during_saves")
+    parser.add_argument("--trace-meta", action="store_true", help="log each meta.pt write to OUT/meta_writes.txt")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -196,11 +293,16 @@ def main() -> None:
             use_orig_params=bool(args.use_orig_params),
             auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
         )
-        devices = int(os.environ.get("WORLD_SIZE", "1"))
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     else:
         strategy, devices = "auto", 1
-    if args.top_k == -1:
-        checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1)
+    num_nodes = int(os.environ.get("WORLD_SIZE", "1")) // devices
+    if args.last_only:
+        checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=0, save_last=True)
+    elif args.top_k == -1:
+        checkpoint = ModelCheckpoint(
+            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1, save_weights_only=args.weights_only
+        )
     else:
         checkpoint = ModelCheckpoint(
             dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=args.top_k, monitor="step", mode="max", save_last=True
@@ -208,6 +310,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_epochs=args.max_epochs,
         callbacks=[checkpoint, Recorder(args.out)],
@@ -218,11 +321,23 @@ def main() -> None:
         limit_val_batches=0 if args.fn == "fit" else None,
         deterministic=True,
     )
-    model = TwoOptimizerNet() if args.optimizers == 2 else Net()
-    if args.fn == "fit":
-        trainer.fit(model, train_dataloaders=data(), ckpt_path=args.ckpt_path)
+    if args.trace_meta:
+        trace_meta_writes(args.out / "meta_writes.txt")
+    if args.kill:
+        point, rank, save = args.kill.split(":")
+        kill_during_saves(trainer.strategy, point, int(rank), int(save))
+    if args.optimizers == 2:
+        model = TwoOptimizerNet()
     else:
-        getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=args.ckpt_path)
+        model = {"net": Net, "wide": WideNet, "extra": ExtraNet}[args.net]()
+    model.strict_loading = bool(args.strict)
+    ckpt_path = args.ckpt_path
+    if args.other_ranks_ckpt_path is not None and int(os.environ.get("RANK", "0")) > 0:
+        ckpt_path = args.other_ranks_ckpt_path
+    if args.fn == "fit":
+        trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path)
+    else:
+        getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=ckpt_path)
     leave_process_group()
 
 

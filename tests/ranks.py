@@ -10,6 +10,9 @@ import pytest
 HERE = Path(__file__).parent
 WORKER = HERE / "fsdp_worker.py"
 TIMEOUT_S = 300
+# Reference runs train EPOCHS epochs and checkpoint each; resumed runs start from MID (after epoch 1).
+EPOCHS = 3
+MID = "epoch=1.ckpt"
 
 
 def _env(extra=None):
@@ -45,3 +48,52 @@ def worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = Fa
     if nproc == 0:
         return single(WORKER, ["--strategy", "single", *args], env, expect_failure)
     return torchrun(WORKER, list(args), nproc, env, expect_failure)
+
+
+def nodes(tmp: Path, *args, count: int = 2, env=None) -> str:
+    """The Trainer worker as ``count`` torchrun "nodes" of one rank each, meeting on the loopback interface."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", "--nproc-per-node=1",
+            "--master-addr=127.0.0.1", f"--master-port={port}"]
+    launches = [
+        subprocess.Popen(base + [f"--node-rank={node}", str(WORKER), *map(str, args)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=_env(env))
+        for node in range(count)
+    ]
+    outputs = [launch.communicate(timeout=TIMEOUT_S)[0] for launch in launches]
+    for node, (launch, output) in enumerate(zip(launches, outputs)):
+        if launch.returncode != 0:
+            pytest.fail(f"node {node} exited {launch.returncode}\n{output[-12000:]}")
+    return "".join(outputs)
+
+
+def config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: int = 1):
+    """The worker arguments of one configuration, writing under ``root``."""
+    return [
+        "--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type,
+        "--use-orig-params", use_orig_params, "--optimizers", optimizers,
+    ]
+
+
+def flavour_under_test():
+    """The flavour the worker runs (lightning.pytorch where installed) and what the shim did with it."""
+    import importlib.util
+
+    import lightning_fsdp_resume as shim
+
+    package = "lightning.pytorch" if importlib.util.find_spec("lightning") else "pytorch_lightning"
+    version = shim.status()[package].version
+    from lightning_fsdp_resume._versions import decide
+
+    return package, version, decide(version)[0]
+
+
+PACKAGE, VERSION, MODE = flavour_under_test()
+NATIVE = MODE == "native"
+# Native Lightning re-keys id-keyed (full) optimizer states with FSDP.rekey_optim_state_dict, which
+# fails for flat parameters; wherever one is saved or loaded natively, use_orig_params=True is used.
+FULL_USE_ORIG_PARAMS = 1 if NATIVE else 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import worker
+from ranks import EPOCHS, MID, config, worker
 from states import assert_identical, assert_ranks_identical, info, load
 
 pytestmark = pytest.mark.multirank
@@ -21,51 +21,7 @@ _SUPPORTED, _WHY = cpu_fsdp_supported()
 if not _SUPPORTED:
     pytest.skip(_WHY, allow_module_level=True)
 
-EPOCHS = 3
-MID = "epoch=1.ckpt"
-
-
-def _flavour_under_test():
-    """The flavour the worker runs (lightning.pytorch where installed) and what the shim did with it."""
-    import importlib.util
-
-    import lightning_fsdp_resume as shim
-
-    package = "lightning.pytorch" if importlib.util.find_spec("lightning") else "pytorch_lightning"
-    version = shim.status()[package].version
-    from lightning_fsdp_resume._versions import decide
-
-    return package, version, decide(version)[0]
-
-
-PACKAGE, VERSION, MODE = _flavour_under_test()
-NATIVE = MODE == "native"
-# Native Lightning re-keys id-keyed (full) optimizer states with FSDP.rekey_optim_state_dict, which
-# fails for flat parameters; wherever one is saved or loaded natively, use_orig_params=True is used.
-FULL_USE_ORIG_PARAMS = 1 if NATIVE else 0
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted runs, one per configuration, made on first use and shared by the tests."""
-    runs = {}
-
-    def get(state_dict_type: str, use_orig_params: int, optimizers: int = 1) -> Path:
-        key = (state_dict_type, use_orig_params, optimizers)
-        if key not in runs:
-            root = tmp_path_factory.mktemp(f"ref-{state_dict_type}-{use_orig_params}-{optimizers}")
-            worker(root, *_config(root, *key), "--max-epochs", EPOCHS)
-            runs[key] = root
-        return runs[key]
-
-    return get
-
-
-def _config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: int = 1):
-    return [
-        "--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type,
-        "--use-orig-params", use_orig_params, "--optimizers", optimizers,
-    ]
+from ranks import FULL_USE_ORIG_PARAMS, NATIVE, VERSION  # noqa: E402
 
 
 def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:
@@ -75,7 +31,7 @@ def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:
     if not supported:
         pytest.skip(why)
     ref = reference(*key)
-    worker(tmp_path, *_config(tmp_path, *key), "--max-epochs", EPOCHS, "--ckpt-path", ref / "ckpt" / MID)
+    worker(tmp_path, *config(tmp_path, *key), "--max-epochs", EPOCHS, "--ckpt-path", ref / "ckpt" / MID)
     assert_ranks_identical(ref / "out", "epoch1", tmp_path / "out", "start")
     assert_ranks_identical(ref / "out", "final", tmp_path / "out", "final")
     return tmp_path
@@ -105,7 +61,7 @@ def test_two_optimizers_resume_bit_exact(reference, tmp_path, state_dict_type, u
 @pytest.mark.parametrize("fn", ["validate", "test", "predict"])
 def test_validate_test_predict_load_weights_only_from_sharded(reference, tmp_path, fn):
     ref = reference("sharded", 0)
-    worker(tmp_path, *_config(tmp_path, "sharded", 0), "--fn", fn, "--ckpt-path", ref / "ckpt" / MID)
+    worker(tmp_path, *config(tmp_path, "sharded", 0), "--fn", fn, "--ckpt-path", ref / "ckpt" / MID)
     expected = load(ref / "out" / "full_epoch1.pt")["params"]
     assert_identical(expected, load(tmp_path / "out" / f"full_{fn}.pt")["params"], f"weights at {fn}")
     assert info(tmp_path / "out", fn)["optimizers"] == 0
@@ -150,7 +106,7 @@ def test_resume_under_fsdp_from_single_device_checkpoint(tmp_path):
     single = tmp_path / "single"
     worker(single, "--out", single / "out", "--ckpt-dir", single / "ckpt", "--max-epochs", 2, nproc=0)
     fsdp = tmp_path / "fsdp"
-    worker(fsdp, *_config(fsdp, "sharded", FULL_USE_ORIG_PARAMS), "--max-epochs", 3, "--ckpt-path", single / "ckpt" / MID)
+    worker(fsdp, *config(fsdp, "sharded", FULL_USE_ORIG_PARAMS), "--max-epochs", 3, "--ckpt-path", single / "ckpt" / MID)
     expected = load(single / "out" / "full_epoch1.pt")
     restored = load(fsdp / "out" / "full_start.pt")
     assert_identical(expected["params"], restored["params"], "weights")
@@ -160,13 +116,13 @@ def test_resume_under_fsdp_from_single_device_checkpoint(tmp_path):
 
 def test_top_k_and_last_with_sharded_checkpoints(tmp_path):
     first = tmp_path / "first"
-    worker(first, *_config(first, "sharded", 0), "--max-epochs", 4, "--top-k", 2)
+    worker(first, *config(first, "sharded", 0), "--max-epochs", 4, "--top-k", 2)
     kept = sorted(p.name for p in (first / "ckpt").iterdir())
     assert kept == ["epoch=2.ckpt", "epoch=3.ckpt", "last.ckpt"]
     assert all((first / "ckpt" / name / "meta.pt").is_file() for name in kept)
 
     second = tmp_path / "second"
-    worker(second, *_config(second, "sharded", 0), "--max-epochs", 5, "--top-k", 2, "--ckpt-path", "last",
+    worker(second, *config(second, "sharded", 0), "--max-epochs", 5, "--top-k", 2, "--ckpt-path", "last",
            "--ckpt-dir", first / "ckpt")
     assert info(second / "out", "start")["epoch"] == 4
     assert_ranks_identical(first / "out", "epoch3", second / "out", "start")
@@ -176,5 +132,5 @@ def test_optimizer_count_mismatch_is_refused(reference, tmp_path):
     if NATIVE:
         pytest.skip(f"native Lightning {VERSION} does not check the optimizer count of a sharded checkpoint")
     ref = reference("sharded", 0)
-    output = worker(tmp_path, *_config(tmp_path, "sharded", 0, 2), "--ckpt-path", ref / "ckpt" / MID, expect_failure=True)
+    output = worker(tmp_path, *config(tmp_path, "sharded", 0, 2), "--ckpt-path", ref / "ckpt" / MID, expect_failure=True)
     assert re.search(r"RuntimeError: You have configured 2 optimizers but the checkpoint .* contains 1 optimizers", output)
