@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import worker
+from ranks import flavour_under_test, worker
 from states import assert_identical, assert_ranks_identical, info, load
 
 DIR_VARIABLE = "LIGHTNING_FSDP_RESUME_XVER_DIR"
@@ -32,7 +32,7 @@ if not os.environ.get(DIR_VARIABLE):
     )
 ROOT = Path(os.environ[DIR_VARIABLE])
 
-from lightning_fsdp_resume._versions import NATIVE, PATCH, decide  # noqa: E402
+from lightning_fsdp_resume._versions import NATIVE, PATCH  # noqa: E402
 
 EPOCHS = 4
 # Native Lightning 2.1.4 cannot save or load a full checkpoint's optimizer state with
@@ -43,15 +43,11 @@ WRITER_FILE = "writer.json"
 
 
 def _here() -> dict:
-    """The Lightning flavour the worker runs here (lightning.pytorch where installed), its shim mode and torch."""
+    """The Lightning flavour the worker runs here, its shim mode and torch."""
     import torch
 
-    import lightning_fsdp_resume as shim
-
-    statuses = shim.status()
-    package = "lightning.pytorch" if statuses["lightning.pytorch"].version else "pytorch_lightning"
-    version = statuses[package].version
-    return {"package": package, "version": version, "mode": decide(version)[0], "torch": torch.__version__}
+    package, version, mode = flavour_under_test()
+    return {"package": package, "version": version, "mode": mode, "torch": torch.__version__}
 
 
 def _run_dir(side: str, checkpoint_format) -> Path:
