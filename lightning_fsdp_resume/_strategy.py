@@ -262,7 +262,7 @@ def _decided_on_rank_zero(self: Any, check: Callable[..., Any], *args: Any) -> A
     if self.global_rank == 0:
         try:
             outcome = (check(*args), None)
-        except (OSError, ValueError, RuntimeError, KeyError) as error:
+        except Exception as error:  # whatever it is, the other ranks must hear of it rather than wait
             outcome = (None, error)
     result, error = self.broadcast(outcome)
     if error is not None:
