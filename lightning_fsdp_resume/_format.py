@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Sequence
 
 METADATA_FILENAME = "meta.pt"
+# torch.distributed.checkpoint's own index of a sharded checkpoint: what each key holds and where.
+DCP_METADATA_FILENAME = ".metadata"
 MODEL_KEY = "model"
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)(?:\.|$)")
 
@@ -131,6 +133,15 @@ def in_module_order(names: Sequence[str], module_names: Sequence[str]) -> List[s
     """
     position = {name: index for index, name in enumerate(module_names)}
     return sorted(names, key=lambda name: position.get(name.rpartition(".")[0], len(position)))
+
+
+def modules_in_state_dict_order(state_dict_keys: Iterable[str]) -> List[str]:
+    """The modules that own ``state_dict_keys``, in the order the keys list them.
+
+    ``Module.state_dict()`` lists a module's own entries before its children's, in registration order,
+    so for a checkpoint without its module this is the registration order ``in_module_order`` needs.
+    """
+    return list(dict.fromkeys(key.rpartition(".")[0] for key in state_dict_keys))
 
 
 def clean_module_name(name: str) -> str:

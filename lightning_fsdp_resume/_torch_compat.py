@@ -16,6 +16,8 @@ _DCP_SAVE_LOAD = (2, 2)
 _LOAD_MMAP = (2, 1)
 # torch 2.0 adds FSDP optimizer state dicts and sharded checkpoints.
 _SHARDED = (2, 0)
+# Consolidating reads a sharded checkpoint in one process; torch 2.2 is the oldest release it is tested on.
+CONSOLIDATE_MIN = (2, 2)
 
 
 def torch_release() -> Tuple[int, ...]:
@@ -162,10 +164,30 @@ def load_distributed(state: Dict[str, Any], path: Path) -> None:
 
 def read_shard_index(path: Path) -> Any:
     """A sharded checkpoint's ``.metadata``: every stored entry (``state_dict_metadata``, flattened keys
-    with global shapes) and where its bytes are (``storage_data``: file, offset, length)."""
+    with global shapes), where its bytes are (``storage_data``: file, offset, length) and, in
+    ``planner_data``, the nested path each flattened key came from."""
     import torch.distributed.checkpoint as dcp
 
     return dcp.FileSystemReader(str(path)).read_metadata()
+
+
+def read_distributed_in_one_process(state: Dict[str, Any], path: Path, planner: Any) -> None:
+    """Fill the flat ``state`` (keys as the ``.metadata`` lists them) from ``path`` with no process group."""
+    import inspect
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(path))
+    with warnings.catch_warnings():
+        # "torch.distributed is ... uninitialized, assuming ... a single process": that is the intent.
+        warnings.filterwarnings("ignore", message=".*single process")
+        if "no_dist" in inspect.signature(dcp.load).parameters:
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        else:
+            # torch releases whose dcp.load has no no_dist: the deprecated loader still takes it.
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            dcp.load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 
 
 def load_file(path: Path, lazy: bool) -> Any:

@@ -1,0 +1,267 @@
+"""Consolidate a sharded checkpoint directory into one full checkpoint file, in one process.
+
+The result is what a full save of the same run writes: the Lightning checkpoint of ``meta.pt`` with the
+weights under ``state_dict`` and ``optimizer_states`` in standard PyTorch format (parameters numbered by
+integer id). No process group, no model and no Lightning are needed.
+
+Memory: every tensor of the checkpoint is allocated once, empty, at its full size, and the shards are
+read straight into it by ``torch.distributed.checkpoint``; that one copy is then written out. The
+parameter numbering comes from the checkpoint alone: see ``_standard_optimizer_state``.
+"""
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, NamedTuple, Sequence
+
+from . import _format
+from . import _torch_compat as compat
+
+
+class Summary(NamedTuple):
+    """What one consolidation wrote."""
+
+    entries: int  # model state_dict entries
+    optimizers: int
+    tensor_bytes: int  # bytes of tensor data read from the shards
+
+
+def consolidate(src: Path, dst: Path, overwrite: bool = False, progress: bool = True) -> Summary:
+    """Write the full checkpoint of the sharded checkpoint directory ``src`` to the file ``dst``.
+
+    ``src`` is only read. ``dst`` appears complete or not at all: it is written to a temporary file
+    beside it, then renamed.
+    """
+    src, dst = Path(src), Path(dst)
+    _check_torch()
+    _check_source(src)
+    _check_destination(src, dst, overwrite)
+    checkpoint, tensor_bytes = read_full_checkpoint(src, progress)
+    if progress:
+        print(f"consolidate: writing {str(dst)!r}", file=sys.stderr, flush=True)
+    write_atomically(checkpoint, dst)
+    optimizers = len(checkpoint.get("optimizer_states", []))
+    return Summary(len(checkpoint["state_dict"]), optimizers, tensor_bytes)
+
+
+def read_full_checkpoint(src: Path, progress: bool = False):
+    """The full Lightning checkpoint held by the sharded directory ``src``, and the tensor bytes read."""
+    metadata = compat.read_shard_index(src)
+    flat, tensor_bytes = _read_flat(src, metadata, progress)
+    stored = _nest(flat, metadata, src)
+    checkpoint = compat.load_file(src / _format.METADATA_FILENAME, lazy=False)
+    model_state = stored.get(_format.MODEL_KEY, {})
+    checkpoint["state_dict"] = model_state
+    modules = _format.modules_in_state_dict_order(model_state)
+    count = _format.count_saved_optimizers(stored)
+    if count:  # none: a weights-only save, which has no "optimizer_states" either
+        checkpoint["optimizer_states"] = [
+            _standard_optimizer_state(stored[_format.optimizer_key(index)], modules) for index in range(count)
+        ]
+    return checkpoint, tensor_bytes
+
+
+def _standard_optimizer_state(state: Dict[str, Any], modules: Sequence[str]) -> Dict[str, Any]:
+    """A name-keyed FSDP optimizer state in PyTorch's id-keyed format.
+
+    Ids number each group's parameters in the module's registration order, which a plain
+    ``optimizer(module.parameters())`` uses and our full save writes. With ``use_orig_params=False``
+    the stored group lists the parameters in flat-parameter order, so the order is not taken from it;
+    the module's order is recovered from the model's keys (see ``modules_in_state_dict_order``).
+    """
+    state = {"state": {}, **state}  # an optimizer that never stepped has no stored "state"
+    names_by_group = [_format.in_module_order(group["params"], modules) for group in state["param_groups"]]
+    return _format.names_to_ids(state, names_by_group)
+
+
+# --- reading the shards ----------------------------------------------------------------------------
+
+
+def _read_flat(src: Path, metadata: Any, progress: bool):
+    """Every stored key, as ``.metadata`` names it, read into tensors allocated once at full size."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors: Dict[str, Any] = {}
+    objects: Dict[str, Any] = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        if isinstance(stored, TensorStorageMetadata):
+            tensors[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
+        else:
+            objects[key] = None  # a pickled object: read whole
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    bar = Progress(total, f"reading {str(src)!r}", enabled=progress)
+    planner = _planner(objects, bar.advance)
+    try:
+        compat.read_distributed_in_one_process({**tensors, **objects}, src, planner)
+    finally:
+        bar.close()
+    return {**tensors, **objects}, total
+
+
+def _planner(objects: Dict[str, Any], advance: Callable[[int], None]) -> Any:
+    """A load planner for a flat state dict: pickled objects land in ``objects``, tensors report progress."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class FlatLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            # Kept apart: dcp.load writes its own copy of the state dict's values back at the end.
+            objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+        def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+            advance(tensor.numel() * tensor.element_size())
+
+    return FlatLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _nest(flat: Dict[str, Any], metadata: Any, src: Path) -> Dict[str, Any]:
+    """Rebuild the saved nesting (``{"model": {...}, "optimizer_0": {...}}``) from the flat keys.
+
+    The saver recorded each flat key's path (``("optimizer_0", "state", "body.0.weight", "exp_avg")``)
+    in ``planner_data``: parameter names contain dots, so the keys alone are ambiguous.
+    """
+    paths = metadata.planner_data
+    if not isinstance(paths, dict) or any(key not in paths for key in flat):
+        raise ValueError(
+            f"The sharded checkpoint {str(src)!r} does not record how its keys nest (its"
+            f" {_format.DCP_METADATA_FILENAME!r} has no planner_data for them), so it was not written by"
+            " FSDPStrategy(state_dict_type='sharded'). Only Lightning's and this package's sharded checkpoints"
+            " can be consolidated."
+        )
+    root: Dict[str, Any] = {}
+    for key in metadata.state_dict_metadata:  # the saved order: the model's keys in state_dict order
+        _put_at(root, paths[key], flat.pop(key))
+    return root
+
+
+def _put_at(root: Dict[str, Any], path: Sequence[Any], value: Any) -> None:
+    """``root[path[0]][path[1]]... = value``, making dicts (str steps) and lists (int steps) on the way."""
+    node: Any = root
+    for step, following in zip(path, path[1:]):
+        child = _get(node, step)
+        if child is None:
+            child = [] if isinstance(following, int) else {}
+            _set(node, step, child)
+        node = child
+    _set(node, path[-1], value)
+
+
+def _get(node: Any, step: Any) -> Any:
+    if isinstance(node, list):
+        return node[step] if step < len(node) else None
+    return node.get(step)
+
+
+def _set(node: Any, step: Any, value: Any) -> None:
+    if isinstance(node, list):
+        node.extend([None] * (step + 1 - len(node)))
+    node[step] = value
+
+
+# --- checks and writing -----------------------------------------------------------------------------
+
+
+def _check_torch() -> None:
+    release = compat.torch_release()
+    if release < compat.CONSOLIDATE_MIN:
+        needed = ".".join(map(str, compat.CONSOLIDATE_MIN))
+        raise NotImplementedError(
+            f"Consolidating a sharded checkpoint needs torch >= {needed}; this is torch"
+            f" {'.'.join(map(str, release))}. Install torch>={needed} in any environment (the training one is not"
+            " needed) and run the command there."
+        )
+
+
+def _check_source(src: Path) -> None:
+    if not src.exists():
+        raise FileNotFoundError(
+            f"The sharded checkpoint {str(src)!r} does not exist. Pass the directory that"
+            " FSDPStrategy(state_dict_type='sharded') wrote, e.g. 'checkpoints/epoch=1.ckpt'."
+        )
+    if not src.is_dir():
+        raise ValueError(
+            f"{str(src)!r} is a file, not a sharded checkpoint directory: it is a full checkpoint already, or not"
+            " a checkpoint. Pass the directory that FSDPStrategy(state_dict_type='sharded') wrote."
+        )
+    missing = [name for name in (_format.METADATA_FILENAME, _format.DCP_METADATA_FILENAME) if not (src / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"The directory {str(src)!r} is not a sharded checkpoint: it has no {' and no '.join(missing)}. Pass a"
+            " directory written by FSDPStrategy(state_dict_type='sharded') (this package or Lightning >= 2.1);"
+            " a partly written one (the run stopped while saving) cannot be consolidated."
+        )
+
+
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    if dst.is_dir():
+        raise IsADirectoryError(f"The destination {str(dst)!r} is a directory; a full checkpoint is one file. Name a file.")
+    if src.resolve() in dst.resolve().parents:
+        raise ValueError(
+            f"The destination {str(dst)!r} lies inside the sharded checkpoint {str(src)!r}, which consolidation"
+            " never modifies. Write the file elsewhere."
+        )
+    if dst.exists() and not overwrite:
+        raise FileExistsError(
+            f"The destination {str(dst)!r} already exists. Pass --overwrite to replace it, or name another file."
+        )
+
+
+def write_atomically(checkpoint: Dict[str, Any], dst: Path) -> None:
+    """``torch.save`` to a temporary file in ``dst``'s directory, then rename it over ``dst``."""
+    import tempfile
+
+    import torch
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it private; give it an ordinary file's mode
+        os.replace(temporary, dst)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class Progress:
+    """Bytes done of ``total``: a tqdm bar where tqdm is installed, else a line on stderr every 10%."""
+
+    def __init__(self, total: int, what: str, enabled: bool = True) -> None:
+        self.total, self.what, self.enabled = total, what, enabled
+        self.done, self._said = 0, -1
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                self._say()
+            else:
+                self._bar = tqdm(total=total, desc=f"consolidate: {what}", unit="B", unit_scale=True, file=sys.stderr)
+
+    def advance(self, count: int) -> None:
+        self.done += count
+        if self._bar is not None:
+            self._bar.update(count)
+        elif self.enabled:
+            self._say()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def _say(self) -> None:
+        tenth = 10 if not self.total else self.done * 10 // self.total
+        if tenth > self._said:
+            self._said = tenth
+            mib = 2**20
+            print(f"consolidate: {self.what}: {tenth * 10}% ({self.done / mib:.1f} of {self.total / mib:.1f} MiB)",
+                  file=sys.stderr, flush=True)
