@@ -1,4 +1,4 @@
-"""``python -m lightning_fsdp_resume {demo,status}``."""
+"""``python -m lightning_fsdp_resume {demo,status,consolidate}``."""
 import sys
 
 from .cli import main

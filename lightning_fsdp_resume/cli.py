@@ -1,6 +1,7 @@
-"""The command line: ``demo`` (train, checkpoint, resume, compare) and ``status``."""
+"""The command line: ``demo`` (train, checkpoint, resume, compare), ``status`` and ``consolidate``."""
 import argparse
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 
@@ -18,12 +19,42 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     commands.add_parser("status", help="installed Lightning, torch and wrapt, and what the shim did with each flavour")
 
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one full checkpoint file, in one process",
+        description="Read a sharded FSDP checkpoint directory (this package's or Lightning >= 2.1's) and write one"
+        " full Lightning checkpoint file: weights under state_dict, optimizer states in PyTorch's format, everything"
+        " else of meta.pt kept. Needs no GPU and no process group; SRC is never modified.",
+    )
+    consolidate.add_argument("src", type=Path, metavar="SRC", help="the sharded checkpoint directory")
+    consolidate.add_argument("dst", type=Path, metavar="DST", help="the full checkpoint file to write")
+    consolidate.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    consolidate.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "consolidate":
+        return run_consolidate(args)
     return print_status()
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    """Exit status 0 when DST was written, 1 when the conversion was refused (the reason on stderr)."""
+    from ._consolidate import consolidate
+
+    try:
+        summary = consolidate(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet)
+    except (OSError, ValueError, NotImplementedError) as error:
+        print(f"lightning_fsdp_resume consolidate: error: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"Wrote {str(args.dst)!r}: {summary.entries} state_dict entries, {summary.optimizers} optimizer states,"
+        f" {summary.tensor_bytes / 2**20:.1f} MiB of tensors."
+    )
+    return 0
 
 
 def print_status() -> int:
