@@ -32,9 +32,9 @@ def consolidate(src: Path, dst: Path, overwrite: bool = False, progress: bool = 
     beside it, then renamed.
     """
     src, dst = Path(src), Path(dst)
-    _check_torch()
     _check_source(src)
     _check_destination(src, dst, overwrite)
+    _check_torch()
     checkpoint, tensor_bytes = read_full_checkpoint(src, progress)
     if progress:
         print(f"consolidate: writing {str(dst)!r}", file=sys.stderr, flush=True)
@@ -186,7 +186,7 @@ def _check_source(src: Path) -> None:
     missing = [name for name in (_format.METADATA_FILENAME, _format.DCP_METADATA_FILENAME) if not (src / name).is_file()]
     if missing:
         raise ValueError(
-            f"The directory {str(src)!r} is not a sharded checkpoint: it has no {' and no '.join(missing)}. Pass a"
+            f"The directory {str(src)!r} is not a sharded checkpoint: it has no {' and no '.join(map(repr, missing))}. Pass a"
             " directory written by FSDPStrategy(state_dict_type='sharded') (this package or Lightning >= 2.1);"
             " a partly written one (the run stopped while saving) cannot be consolidated."
         )
@@ -259,9 +259,9 @@ class Progress:
             self._bar.close()
 
     def _say(self) -> None:
-        tenth = 10 if not self.total else self.done * 10 // self.total
-        if tenth > self._said:
-            self._said = tenth
+        percent = 100 if not self.total else self.done * 100 // self.total
+        if percent // 10 > self._said:  # once per tenth crossed
+            self._said = percent // 10
             mib = 2**20
-            print(f"consolidate: {self.what}: {tenth * 10}% ({self.done / mib:.1f} of {self.total / mib:.1f} MiB)",
+            print(f"consolidate: {self.what}: {percent}% ({self.done / mib:.1f} of {self.total / mib:.1f} MiB)",
                   file=sys.stderr, flush=True)

@@ -68,3 +68,36 @@ def test_demo_verdict_demands_exact_equality(tmp_path, capsys, loss, weight, ver
     _write_run(tmp_path / "resumed", {2: loss}, weight)
     assert _report(tmp_path / "reference", tmp_path / "resumed", 1) == verdict
     assert ("PASS" if verdict == 0 else "FAIL") in capsys.readouterr().out
+
+
+def test_help_lists_consolidate_and_its_arguments():
+    listed = cli("--help")
+    assert listed.returncode == 0 and "consolidate" in listed.stdout
+    result = cli("consolidate", "--help")
+    assert result.returncode == 0
+    assert "SRC" in result.stdout and "DST" in result.stdout and "--overwrite" in result.stdout
+
+
+def test_consolidate_without_its_arguments_is_a_usage_error():
+    result = cli("consolidate", "only-one")
+    assert result.returncode == 2 and "DST" in result.stderr
+
+
+def test_consolidate_refusals_exit_1_naming_the_path(tmp_path):
+    missing = cli("consolidate", str(tmp_path / "nowhere"), str(tmp_path / "out.ckpt"))
+    assert missing.returncode == 1
+    assert f"'{tmp_path / 'nowhere'}' does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+    (tmp_path / "not-sharded").mkdir()
+    not_sharded = cli("consolidate", str(tmp_path / "not-sharded"), str(tmp_path / "out.ckpt"))
+    assert not_sharded.returncode == 1
+    assert "is not a sharded checkpoint: it has no 'meta.pt' and no '.metadata'" in not_sharded.stderr
+
+    for name in ("meta.pt", ".metadata"):
+        (tmp_path / "not-sharded" / name).write_bytes(b"")
+    (tmp_path / "out.ckpt").write_bytes(b"mine")
+    exists = cli("consolidate", str(tmp_path / "not-sharded"), str(tmp_path / "out.ckpt"))
+    assert exists.returncode == 1 and "Pass --overwrite" in exists.stderr
+    assert (tmp_path / "out.ckpt").read_bytes() == b"mine"
+    assert not exists.stdout

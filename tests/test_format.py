@@ -61,6 +61,16 @@ def test_flat_parameter_order_becomes_registration_order():
     assert _format.in_module_order(names, modules) == ["a.weight", "a.bias", "b.0.weight", "head.weight"]
 
 
+def test_module_order_is_recovered_from_state_dict_keys():
+    # Module.state_dict(): a module's own entries (the root's "scale") before its children's
+    keys = ["scale", "a.weight", "a.bias", "b.0.weight", "b.0.running_mean", "b.1.weight", "head.weight"]
+    modules = _format.modules_in_state_dict_order(keys)
+    assert modules == ["", "a", "b.0", "b.1", "head"]
+    # the flat-parameter order of a sharded checkpoint's group becomes the module's order
+    assert _format.in_module_order(["head.weight", "b.1.weight", "a.weight", "b.0.weight"], modules) == [
+        "a.weight", "b.0.weight", "b.1.weight", "head.weight"]
+
+
 def test_module_names_lose_their_wrapper_segments():
     assert _format.clean_module_name("_fsdp_wrapped_module._forward_module.b._fsdp_wrapped_module.0") == "_forward_module.b.0"
     assert _format.clean_module_name("_fsdp_wrapped_module") == ""

@@ -1,0 +1,280 @@
+"""consolidate: a sharded checkpoint directory becomes one full checkpoint file, in one process.
+
+The refusals and the writing need no run. The rest consolidates the checkpoints of real 2-rank runs
+(torchrun, gloo on the CPU), shared by the tests: sharded with use_orig_params=False and one optimizer;
+sharded with use_orig_params=True and two optimizers; and, where the shim saves it, the full checkpoint
+of the first configuration, which consolidating must reproduce exactly.
+"""
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ranks import worker, worker_flavour
+from states import assert_identical, assert_ranks_identical, differences, load
+
+from lightning_fsdp_resume import _consolidate
+from lightning_fsdp_resume import _torch_compat as compat
+from lightning_fsdp_resume._consolidate import consolidate
+from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported
+
+EPOCHS = 3
+MID = "epoch=1.ckpt"
+_, VERSION, MODE = worker_flavour()
+NATIVE = MODE == "native"
+# Where a consolidated file is resumed: native Lightning cannot load id-keyed optimizer states with flat
+# parameters (FSDP.rekey_optim_state_dict), so it resumes the use_orig_params=True run.
+RESUMED = (1, 2) if NATIVE else (0, 1)  # (use_orig_params, optimizers)
+
+
+
+def multirank(test):
+    """Marked multirank; skipped, with torch's reason, where CPU FSDP cannot run."""
+    skip = pytest.mark.skipif(not cpu_fsdp_supported()[0], reason=cpu_fsdp_supported()[1])
+    return pytest.mark.multirank(skip(test))
+
+
+def fake_sharded(directory: Path, files=("meta.pt", ".metadata")) -> Path:
+    """A directory that looks like a sharded checkpoint to the checks made before reading."""
+    directory.mkdir(parents=True)
+    for name in files:
+        (directory / name).write_bytes(b"")
+    return directory
+
+
+# --- refusals, writing, progress: no run needed -----------------------------------------------------
+
+
+def test_missing_source_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"'.*nowhere' does not exist\. Pass the directory"):
+        consolidate(tmp_path / "nowhere", tmp_path / "out.ckpt")
+
+
+def test_file_source_is_refused(tmp_path):
+    (tmp_path / "full.ckpt").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is a file, not a sharded checkpoint directory"):
+        consolidate(tmp_path / "full.ckpt", tmp_path / "out.ckpt")
+
+
+@pytest.mark.parametrize("present,missing", [((".metadata",), "no 'meta.pt'"), (("meta.pt",), "no '.metadata'"),
+                                             ((), "no 'meta.pt' and no '.metadata'")])
+def test_directory_without_its_index_files_is_refused(tmp_path, present, missing):
+    src = fake_sharded(tmp_path / "src", present)
+    with pytest.raises(ValueError, match=f"is not a sharded checkpoint: it has {missing}"):
+        consolidate(src, tmp_path / "out.ckpt")
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_existing_destination_is_kept_without_overwrite(tmp_path):
+    src = fake_sharded(tmp_path / "src")
+    (tmp_path / "out.ckpt").write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="already exists. Pass --overwrite"):
+        consolidate(src, tmp_path / "out.ckpt")
+    assert (tmp_path / "out.ckpt").read_bytes() == b"mine"
+
+
+def test_directory_destination_is_refused(tmp_path):
+    src = fake_sharded(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(IsADirectoryError, match="is a directory; a full checkpoint is one file"):
+        consolidate(src, tmp_path / "out", overwrite=True)
+
+
+def test_destination_inside_the_source_is_refused(tmp_path):
+    src = fake_sharded(tmp_path / "src")
+    with pytest.raises(ValueError, match="lies inside the sharded checkpoint"):
+        consolidate(src, src / "full.ckpt")
+    assert sorted(p.name for p in src.iterdir()) == [".metadata", "meta.pt"]
+
+
+def test_old_torch_is_refused_naming_the_minimum(tmp_path, monkeypatch):
+    monkeypatch.setattr(compat, "torch_release", lambda: (2, 1, 2))
+    with pytest.raises(NotImplementedError, match=r"needs torch >= 2\.2; this is torch 2\.1\.2"):
+        consolidate(fake_sharded(tmp_path / "src"), tmp_path / "out.ckpt")
+
+
+def test_destination_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    def fail_midway(obj, file):
+        file.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    (tmp_path / "out.ckpt").write_bytes(b"old")
+    monkeypatch.setattr(torch, "save", fail_midway)
+    with pytest.raises(OSError, match="disk full"):
+        _consolidate.write_atomically({"state_dict": {}}, tmp_path / "out.ckpt")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.ckpt"]  # no temporary file left behind
+    assert (tmp_path / "out.ckpt").read_bytes() == b"old"
+
+
+def test_written_file_has_an_ordinary_mode(tmp_path):
+    _consolidate.write_atomically({"state_dict": {"w": torch.ones(2)}}, tmp_path / "sub" / "out.ckpt")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "sub" / "out.ckpt").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert torch.equal(load(tmp_path / "sub" / "out.ckpt")["state_dict"]["w"], torch.ones(2))
+
+
+def test_progress_without_tqdm_prints_plain_lines(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    progress = _consolidate.Progress(4 * 2**20, "reading 'x'")
+    for _ in range(4):
+        progress.advance(2**20)
+    progress.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"consolidate: reading 'x': {25 * mib}% ({mib:.1f} of 4.0 MiB)" for mib in range(5)]
+
+
+def test_importing_it_imports_neither_torch_nor_lightning():
+    import subprocess
+
+    code = "import sys, lightning_fsdp_resume._consolidate, lightning_fsdp_resume.cli;" \
+           " print(sorted({'torch', 'lightning', 'pytorch_lightning'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+# --- checkpoints of real 2-rank runs ---------------------------------------------------------------
+
+
+def _config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: int):
+    return ["--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type,
+            "--use-orig-params", use_orig_params, "--optimizers", optimizers]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Uninterrupted runs, made on first use and shared by the tests of this module."""
+    made = {}
+
+    def get(state_dict_type: str, use_orig_params: int, optimizers: int) -> Path:
+        supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
+        if not supported:
+            pytest.skip(why)
+        key = (state_dict_type, use_orig_params, optimizers)
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"consolidate-{state_dict_type}-{use_orig_params}-{optimizers}")
+            worker(root, *_config(root, *key), "--max-epochs", EPOCHS)
+            made[key] = root
+        return made[key]
+
+    return get
+
+
+def _consolidated(run, tmp_path: Path, use_orig_params: int, optimizers: int):
+    """The sharded run's checkpoint after epoch 1, consolidated; the run's directory and the file."""
+    root = run("sharded", use_orig_params, optimizers)
+    dst = tmp_path / "full.ckpt"
+    consolidate(root / "ckpt" / MID, dst, progress=False)
+    return root, dst
+
+
+def _registration_order():
+    from fsdp_worker import Net
+
+    return [name for name, _ in Net().named_parameters()]
+
+
+SHARDED = [pytest.param(0, 1, id="flat-params-1-optimizer"), pytest.param(1, 2, id="orig-params-2-optimizers")]
+
+
+@pytest.mark.parametrize("use_orig_params,optimizers", SHARDED)
+@multirank
+def test_weights_equal_the_runs_gathered_weights(run, tmp_path, use_orig_params, optimizers):
+    root, dst = _consolidated(run, tmp_path, use_orig_params, optimizers)
+    state_dict = load(dst)["state_dict"]
+    assert list(state_dict) == _registration_order()  # the LightningModule's keys, in its order
+    assert_identical(load(root / "out" / "full_epoch1.pt")["params"], state_dict, "weights")
+
+
+@pytest.mark.parametrize("use_orig_params,optimizers", SHARDED)
+@multirank
+def test_optimizer_ids_number_each_optimizers_parameters_in_registration_order(run, tmp_path, use_orig_params, optimizers):
+    """Compared with the optimizer state torch itself gathered in the run, keyed by name."""
+    root, dst = _consolidated(run, tmp_path, use_orig_params, optimizers)
+    gathered = load(root / "out" / "full_epoch1.pt")["optim"]
+    states = load(dst)["optimizer_states"]
+    assert len(states) == optimizers == len(gathered)
+    for index, (expected, state) in enumerate(zip(gathered, states)):
+        names = [name for name in _registration_order() if name in expected]
+        assert [group["params"] for group in state["param_groups"]] == [list(range(len(names)))]
+        assert_identical(expected, {names[i]: value for i, value in state["state"].items()}, f"optimizer {index}")
+    assert states[0]["param_groups"][0]["lr"] == 1e-2
+    if optimizers == 2:
+        assert states[1]["param_groups"][0]["momentum"] == 0.9
+
+
+@multirank
+def test_result_equals_our_full_save_of_the_same_run(run, tmp_path):
+    if NATIVE:
+        pytest.skip(f"native Lightning {VERSION} cannot save a full checkpoint with use_orig_params=False")
+    _, dst = _consolidated(run, tmp_path, 0, 1)
+    full = load(run("full", 0, 1) / "ckpt" / MID)
+    consolidated = load(dst)
+    assert_identical(full["state_dict"], consolidated["state_dict"], "state_dict")
+    assert_identical(full["optimizer_states"], consolidated["optimizer_states"], "optimizer_states")
+    assert set(full) == set(consolidated)
+
+
+@multirank
+def test_everything_of_meta_pt_is_kept(run, tmp_path):
+    root, dst = _consolidated(run, tmp_path, 0, 1)
+    meta = load(root / "ckpt" / MID / "meta.pt")
+    consolidated = load(dst)
+    assert set(consolidated) == set(meta) | {"state_dict", "optimizer_states"}
+    assert not differences(meta, {key: consolidated[key] for key in meta})
+    assert consolidated["epoch"] == 1 and consolidated["hyper_parameters"] == {"optimizers": 1}
+
+
+@multirank
+def test_source_is_never_modified(run, tmp_path):
+    src = run("sharded", 0, 1) / "ckpt" / MID
+
+    def fingerprint():
+        return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns) for p in src.iterdir()}
+
+    before = fingerprint()
+    assert {"meta.pt", ".metadata"} <= set(before)
+    consolidate(src, tmp_path / "full.ckpt", progress=False)
+    consolidate(src, tmp_path / "full.ckpt", overwrite=True, progress=False)
+    assert fingerprint() == before
+
+
+@multirank
+def test_result_opens_with_load_from_checkpoint(run, tmp_path, monkeypatch):
+    from fsdp_worker import Net
+
+    # Lightning 2.0.x's loader predates torch 2.6's weights_only default; checkpoints are trusted files.
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    root, dst = _consolidated(run, tmp_path, 0, 1)
+    model = Net.load_from_checkpoint(dst)
+    expected = load(root / "out" / "full_epoch1.pt")["params"]
+    assert_identical(expected, {n: p.detach() for n, p in model.named_parameters()}, "weights")
+    assert model.hparams.optimizers == 1
+
+
+@multirank
+def test_resume_under_fsdp_from_the_consolidated_file_is_bit_exact(run, tmp_path):
+    use_orig_params, optimizers = RESUMED
+    reference, dst = _consolidated(run, tmp_path, use_orig_params, optimizers)
+    resumed = tmp_path / "resumed"
+    worker(resumed, *_config(resumed, "full", use_orig_params, optimizers), "--max-epochs", EPOCHS, "--ckpt-path", dst)
+    assert_ranks_identical(reference / "out", "epoch1", resumed / "out", "start")
+    assert_ranks_identical(reference / "out", "final", resumed / "out", "final")
+
+
+@multirank
+def test_command_line_writes_the_same_file_and_shows_progress(run, tmp_path):
+    import subprocess
+
+    root, dst = _consolidated(run, tmp_path, 0, 1)
+    command = [sys.executable, "-m", "lightning_fsdp_resume", "consolidate", str(root / "ckpt" / MID), str(tmp_path / "cli.ckpt")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"Wrote '{tmp_path / 'cli.ckpt'}': 6 state_dict entries, 1 optimizer states")
+    assert "100%" in result.stderr and "consolidate: writing" in result.stderr
+    expected, written = load(dst), load(tmp_path / "cli.ckpt")
+    assert_identical(expected["state_dict"], written["state_dict"], "state_dict")
+    assert_identical(expected["optimizer_states"], written["optimizer_states"], "optimizer_states")
