@@ -8,12 +8,11 @@ Memory: every tensor of the checkpoint is allocated once, empty, at its full siz
 read straight into it by ``torch.distributed.checkpoint``; that one copy is then written out. The
 parameter numbering comes from the checkpoint alone: see ``_standard_optimizer_state``.
 """
-import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Sequence
 
-from . import _format
+from . import _atomic, _format, _verify
 from . import _torch_compat as compat
 
 
@@ -32,9 +31,9 @@ def consolidate(src: Path, dst: Path, overwrite: bool = False, progress: bool = 
     beside it, then renamed.
     """
     src, dst = Path(src), Path(dst)
-    _check_source(src)
     _check_destination(src, dst, overwrite)
     _check_torch()
+    _check_source(src)
     checkpoint, tensor_bytes = read_full_checkpoint(src, progress)
     if progress:
         print(f"consolidate: writing {str(dst)!r}", file=sys.stderr, flush=True)
@@ -48,7 +47,7 @@ def read_full_checkpoint(src: Path, progress: bool = False):
     metadata = compat.read_shard_index(src)
     flat, tensor_bytes = _read_flat(src, metadata, progress)
     stored = _nest(flat, metadata, src)
-    checkpoint = compat.load_file(src / _format.METADATA_FILENAME, lazy=False)
+    checkpoint = _verify.read_meta(src)
     model_state = stored.get(_format.MODEL_KEY, {})
     checkpoint["state_dict"] = model_state
     modules = _format.modules_in_state_dict_order(model_state)
@@ -173,22 +172,11 @@ def _check_torch() -> None:
 
 
 def _check_source(src: Path) -> None:
-    if not src.exists():
-        raise FileNotFoundError(
-            f"The sharded checkpoint {str(src)!r} does not exist. Pass the directory that"
-            " FSDPStrategy(state_dict_type='sharded') wrote, e.g. 'checkpoints/epoch=1.ckpt'."
-        )
-    if not src.is_dir():
+    """Missing, incomplete or damaged sharded checkpoints are refused by the checks a load makes."""
+    if _verify.checkpoint_kind(src) == _verify.FULL:
         raise ValueError(
             f"{str(src)!r} is a file, not a sharded checkpoint directory: it is a full checkpoint already, or not"
             " a checkpoint. Pass the directory that FSDPStrategy(state_dict_type='sharded') wrote."
-        )
-    missing = [name for name in (_format.METADATA_FILENAME, _format.DCP_METADATA_FILENAME) if not (src / name).is_file()]
-    if missing:
-        raise ValueError(
-            f"The directory {str(src)!r} is not a sharded checkpoint: it has no {' and no '.join(map(repr, missing))}. Pass a"
-            " directory written by FSDPStrategy(state_dict_type='sharded') (this package or Lightning >= 2.1);"
-            " a partly written one (the run stopped while saving) cannot be consolidated."
         )
 
 
@@ -207,29 +195,17 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 def write_atomically(checkpoint: Dict[str, Any], dst: Path) -> None:
-    """``torch.save`` to a temporary file in ``dst``'s directory, then rename it over ``dst``."""
-    import tempfile
-
-    import torch
+    """``torch.save`` into a hidden sibling of ``dst``, flushed to the disk, then renamed over ``dst``."""
+    import secrets
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    partial = _atomic.partial_path(dst, secrets.token_hex(8))
     try:
-        with os.fdopen(descriptor, "wb") as file:
-            torch.save(checkpoint, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it private; give it an ordinary file's mode
-        os.replace(temporary, dst)
+        compat.save_file(checkpoint, partial)
+        _atomic.publish(partial, dst)
     except BaseException:
-        os.unlink(temporary)
+        _atomic.remove(partial)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class Progress:

@@ -31,7 +31,7 @@ def is_full_checkpoint(path: Path) -> bool:
 
 def is_replaceable_directory(path: Path) -> bool:
     """A directory a save may replace: empty, or holding only what a sharded checkpoint holds."""
-    return all(p.name in (METADATA_FILENAME, ".metadata") or p.suffix == ".distcp" for p in path.iterdir())
+    return all(p.name in (METADATA_FILENAME, DCP_METADATA_FILENAME) or p.suffix == ".distcp" for p in path.iterdir())
 
 
 def count_saved_optimizers(storage_keys: Iterable[str]) -> int:

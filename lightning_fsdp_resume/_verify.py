@@ -10,7 +10,7 @@ from . import _torch_compat as compat
 
 SHARDED = "sharded"
 FULL = "full"
-_INDEX = ".metadata"  # torch.distributed.checkpoint's index of the shards
+_INDEX = _format.DCP_METADATA_FILENAME
 
 
 def checkpoint_kind(path: Path) -> str:

@@ -90,9 +90,10 @@ def test_consolidate_refusals_exit_1_naming_the_path(tmp_path):
     assert "Traceback" not in missing.stderr
 
     (tmp_path / "not-sharded").mkdir()
+    (tmp_path / "not-sharded" / "notes.txt").write_text("")
     not_sharded = cli("consolidate", str(tmp_path / "not-sharded"), str(tmp_path / "out.ckpt"))
     assert not_sharded.returncode == 1
-    assert "is not a sharded checkpoint: it has no 'meta.pt' and no '.metadata'" in not_sharded.stderr
+    assert "is not a checkpoint: it has neither 'meta.pt' nor the shard index '.metadata'" in not_sharded.stderr
 
     for name in ("meta.pt", ".metadata"):
         (tmp_path / "not-sharded" / name).write_bytes(b"")

@@ -2,8 +2,9 @@
 
 The refusals and the writing need no run. The rest consolidates the checkpoints of real 2-rank runs
 (torchrun, gloo on the CPU), shared by the tests: sharded with use_orig_params=False and one optimizer;
-sharded with use_orig_params=True and two optimizers; and, where the shim saves it, the full checkpoint
-of the first configuration, which consolidating must reproduce exactly.
+sharded with use_orig_params=True; sharded with two optimizers; and, where the shim saves it, the full
+checkpoint of the first configuration, which consolidating must reproduce exactly. They are the
+session's ``reference`` runs, which the multi-rank suite makes too.
 """
 import hashlib
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import worker, worker_flavour
+from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, config, worker
 from states import assert_identical, assert_ranks_identical, differences, load
 
 from lightning_fsdp_resume import _consolidate
@@ -21,13 +22,6 @@ from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
 from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported
 
-EPOCHS = 3
-MID = "epoch=1.ckpt"
-_, VERSION, MODE = worker_flavour()
-NATIVE = MODE == "native"
-# Where a consolidated file is resumed: native Lightning cannot load id-keyed optimizer states with flat
-# parameters (FSDP.rekey_optim_state_dict), so it resumes the use_orig_params=True run.
-RESUMED = (1, 2) if NATIVE else (0, 1)  # (use_orig_params, optimizers)
 
 
 
@@ -49,7 +43,7 @@ def fake_sharded(directory: Path, files=("meta.pt", ".metadata")) -> Path:
 
 
 def test_missing_source_is_refused(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"'.*nowhere' does not exist\. Pass the directory"):
+    with pytest.raises(FileNotFoundError, match=r"The checkpoint path '.*nowhere' does not exist"):
         consolidate(tmp_path / "nowhere", tmp_path / "out.ckpt")
 
 
@@ -59,11 +53,13 @@ def test_file_source_is_refused(tmp_path):
         consolidate(tmp_path / "full.ckpt", tmp_path / "out.ckpt")
 
 
-@pytest.mark.parametrize("present,missing", [((".metadata",), "no 'meta.pt'"), (("meta.pt",), "no '.metadata'"),
-                                             ((), "no 'meta.pt' and no '.metadata'")])
-def test_directory_without_its_index_files_is_refused(tmp_path, present, missing):
+@pytest.mark.parametrize("present,missing", [(("x.distcp", ".metadata"), "has no 'meta.pt'"),
+                                             (("x.distcp", "meta.pt"), "has no shard index '.metadata'"),
+                                             (("x.distcp",), "has neither 'meta.pt' nor the shard index '.metadata'"),
+                                             (("meta.pt", ".metadata"), "shard index '.*' cannot be read")])
+def test_incomplete_or_damaged_source_is_refused(tmp_path, present, missing):
     src = fake_sharded(tmp_path / "src", present)
-    with pytest.raises(ValueError, match=f"is not a sharded checkpoint: it has {missing}"):
+    with pytest.raises(ValueError, match=missing):
         consolidate(src, tmp_path / "out.ckpt")
     assert not (tmp_path / "out.ckpt").exists()
 
@@ -139,33 +135,12 @@ def test_importing_it_imports_neither_torch_nor_lightning():
 # --- checkpoints of real 2-rank runs ---------------------------------------------------------------
 
 
-def _config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: int):
-    return ["--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type,
-            "--use-orig-params", use_orig_params, "--optimizers", optimizers]
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Uninterrupted runs, made on first use and shared by the tests of this module."""
-    made = {}
-
-    def get(state_dict_type: str, use_orig_params: int, optimizers: int) -> Path:
-        supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
-        if not supported:
-            pytest.skip(why)
-        key = (state_dict_type, use_orig_params, optimizers)
-        if key not in made:
-            root = tmp_path_factory.mktemp(f"consolidate-{state_dict_type}-{use_orig_params}-{optimizers}")
-            worker(root, *_config(root, *key), "--max-epochs", EPOCHS)
-            made[key] = root
-        return made[key]
-
-    return get
-
-
-def _consolidated(run, tmp_path: Path, use_orig_params: int, optimizers: int):
+def _consolidated(reference, tmp_path: Path, use_orig_params: int, optimizers: int = 1):
     """The sharded run's checkpoint after epoch 1, consolidated; the run's directory and the file."""
-    root = run("sharded", use_orig_params, optimizers)
+    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
+    if not supported:
+        pytest.skip(why)
+    root = reference("sharded", use_orig_params, optimizers)
     dst = tmp_path / "full.ckpt"
     consolidate(root / "ckpt" / MID, dst, progress=False)
     return root, dst
@@ -177,13 +152,13 @@ def _registration_order():
     return [name for name, _ in Net().named_parameters()]
 
 
-SHARDED = [pytest.param(0, 1, id="flat-params-1-optimizer"), pytest.param(1, 2, id="orig-params-2-optimizers")]
+SHARDED = [pytest.param(0, 1, id="flat-params"), pytest.param(1, 1, id="orig-params"), pytest.param(0, 2, id="two-optimizers")]
 
 
 @pytest.mark.parametrize("use_orig_params,optimizers", SHARDED)
 @multirank
-def test_weights_equal_the_runs_gathered_weights(run, tmp_path, use_orig_params, optimizers):
-    root, dst = _consolidated(run, tmp_path, use_orig_params, optimizers)
+def test_weights_equal_the_runs_gathered_weights(reference, tmp_path, use_orig_params, optimizers):
+    root, dst = _consolidated(reference, tmp_path, use_orig_params, optimizers)
     state_dict = load(dst)["state_dict"]
     assert list(state_dict) == _registration_order()  # the LightningModule's keys, in its order
     assert_identical(load(root / "out" / "full_epoch1.pt")["params"], state_dict, "weights")
@@ -191,9 +166,9 @@ def test_weights_equal_the_runs_gathered_weights(run, tmp_path, use_orig_params,
 
 @pytest.mark.parametrize("use_orig_params,optimizers", SHARDED)
 @multirank
-def test_optimizer_ids_number_each_optimizers_parameters_in_registration_order(run, tmp_path, use_orig_params, optimizers):
+def test_optimizer_ids_number_each_optimizers_parameters_in_registration_order(reference, tmp_path, use_orig_params, optimizers):
     """Compared with the optimizer state torch itself gathered in the run, keyed by name."""
-    root, dst = _consolidated(run, tmp_path, use_orig_params, optimizers)
+    root, dst = _consolidated(reference, tmp_path, use_orig_params, optimizers)
     gathered = load(root / "out" / "full_epoch1.pt")["optim"]
     states = load(dst)["optimizer_states"]
     assert len(states) == optimizers == len(gathered)
@@ -207,11 +182,11 @@ def test_optimizer_ids_number_each_optimizers_parameters_in_registration_order(r
 
 
 @multirank
-def test_result_equals_our_full_save_of_the_same_run(run, tmp_path):
+def test_result_equals_our_full_save_of_the_same_run(reference, tmp_path):
     if NATIVE:
         pytest.skip(f"native Lightning {VERSION} cannot save a full checkpoint with use_orig_params=False")
-    _, dst = _consolidated(run, tmp_path, 0, 1)
-    full = load(run("full", 0, 1) / "ckpt" / MID)
+    _, dst = _consolidated(reference, tmp_path, 0, 1)
+    full = load(reference("full", 0) / "ckpt" / MID)
     consolidated = load(dst)
     assert_identical(full["state_dict"], consolidated["state_dict"], "state_dict")
     assert_identical(full["optimizer_states"], consolidated["optimizer_states"], "optimizer_states")
@@ -219,8 +194,8 @@ def test_result_equals_our_full_save_of_the_same_run(run, tmp_path):
 
 
 @multirank
-def test_everything_of_meta_pt_is_kept(run, tmp_path):
-    root, dst = _consolidated(run, tmp_path, 0, 1)
+def test_everything_of_meta_pt_is_kept(reference, tmp_path):
+    root, dst = _consolidated(reference, tmp_path, 0, 1)
     meta = load(root / "ckpt" / MID / "meta.pt")
     consolidated = load(dst)
     assert set(consolidated) == set(meta) | {"state_dict", "optimizer_states"}
@@ -229,8 +204,8 @@ def test_everything_of_meta_pt_is_kept(run, tmp_path):
 
 
 @multirank
-def test_source_is_never_modified(run, tmp_path):
-    src = run("sharded", 0, 1) / "ckpt" / MID
+def test_source_is_never_modified(reference, tmp_path):
+    src = reference("sharded", 0) / "ckpt" / MID
 
     def fingerprint():
         return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns) for p in src.iterdir()}
@@ -243,12 +218,12 @@ def test_source_is_never_modified(run, tmp_path):
 
 
 @multirank
-def test_result_opens_with_load_from_checkpoint(run, tmp_path, monkeypatch):
+def test_result_opens_with_load_from_checkpoint(reference, tmp_path, monkeypatch):
     from fsdp_worker import Net
 
     # Lightning 2.0.x's loader predates torch 2.6's weights_only default; checkpoints are trusted files.
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    root, dst = _consolidated(run, tmp_path, 0, 1)
+    root, dst = _consolidated(reference, tmp_path, 0, 1)
     model = Net.load_from_checkpoint(dst)
     expected = load(root / "out" / "full_epoch1.pt")["params"]
     assert_identical(expected, {n: p.detach() for n, p in model.named_parameters()}, "weights")
@@ -256,20 +231,20 @@ def test_result_opens_with_load_from_checkpoint(run, tmp_path, monkeypatch):
 
 
 @multirank
-def test_resume_under_fsdp_from_the_consolidated_file_is_bit_exact(run, tmp_path):
-    use_orig_params, optimizers = RESUMED
-    reference, dst = _consolidated(run, tmp_path, use_orig_params, optimizers)
+def test_resume_under_fsdp_from_the_consolidated_file_is_bit_exact(reference, tmp_path):
+    # Native Lightning cannot load id-keyed optimizer states of flat parameters: it resumes use_orig_params=True.
+    root, dst = _consolidated(reference, tmp_path, FULL_USE_ORIG_PARAMS)
     resumed = tmp_path / "resumed"
-    worker(resumed, *_config(resumed, "full", use_orig_params, optimizers), "--max-epochs", EPOCHS, "--ckpt-path", dst)
-    assert_ranks_identical(reference / "out", "epoch1", resumed / "out", "start")
-    assert_ranks_identical(reference / "out", "final", resumed / "out", "final")
+    worker(resumed, *config(resumed, "full", FULL_USE_ORIG_PARAMS), "--max-epochs", EPOCHS, "--ckpt-path", dst)
+    assert_ranks_identical(root / "out", "epoch1", resumed / "out", "start")
+    assert_ranks_identical(root / "out", "final", resumed / "out", "final")
 
 
 @multirank
-def test_command_line_writes_the_same_file_and_shows_progress(run, tmp_path):
+def test_command_line_writes_the_same_file_and_shows_progress(reference, tmp_path):
     import subprocess
 
-    root, dst = _consolidated(run, tmp_path, 0, 1)
+    root, dst = _consolidated(reference, tmp_path, 0, 1)
     command = [sys.executable, "-m", "lightning_fsdp_resume", "consolidate", str(root / "ckpt" / MID), str(tmp_path / "cli.ckpt")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
