@@ -185,7 +185,7 @@ def read_distributed_in_one_process(state: Dict[str, Any], path: Path, planner: 
         if "no_dist" in inspect.signature(dcp.load).parameters:
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
         else:
-            # torch releases whose dcp.load has no no_dist: the deprecated loader still takes it.
+            # torch 2.4 and older: dcp.load has no no_dist; the deprecated loader takes it.
             warnings.filterwarnings("ignore", category=FutureWarning)
             dcp.load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 
