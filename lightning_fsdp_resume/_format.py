@@ -20,15 +20,6 @@ def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 
 
-def is_sharded_checkpoint(path: Path) -> bool:
-    """A directory of shards with its ``meta.pt``."""
-    return path.is_dir() and (path / METADATA_FILENAME).is_file()
-
-
-def is_full_checkpoint(path: Path) -> bool:
-    return path.is_file()
-
-
 def is_replaceable_directory(path: Path) -> bool:
     """A directory a save may replace: empty, or holding only what a sharded checkpoint holds."""
     return all(p.name in (METADATA_FILENAME, DCP_METADATA_FILENAME) or p.suffix == ".distcp" for p in path.iterdir())

@@ -4,15 +4,13 @@ import pytest
 from lightning_fsdp_resume import _format
 
 
-def test_sharded_and_full_checkpoints_are_told_apart(tmp_path):
-    sharded = tmp_path / "s.ckpt"
-    sharded.mkdir()
-    assert not _format.is_sharded_checkpoint(sharded)  # shards without meta.pt are not a checkpoint
-    (sharded / "meta.pt").write_bytes(b"x")
-    assert _format.is_sharded_checkpoint(sharded) and not _format.is_full_checkpoint(sharded)
-    full = tmp_path / "f.ckpt"
-    full.write_bytes(b"x")
-    assert _format.is_full_checkpoint(full) and not _format.is_sharded_checkpoint(full)
+def test_only_checkpoint_directories_may_be_replaced(tmp_path):
+    assert _format.is_replaceable_directory(tmp_path)  # empty
+    for name in ("meta.pt", ".metadata", "__0_0.distcp"):
+        (tmp_path / name).write_bytes(b"x")
+    assert _format.is_replaceable_directory(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    assert not _format.is_replaceable_directory(tmp_path)
 
 
 def test_prefix_is_stripped_and_restored():
