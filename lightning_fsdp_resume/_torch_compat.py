@@ -126,16 +126,46 @@ def read_sharded_optimizer_state(
 
     if _new_api():
         # The new API builds a complete template (it initialises empty optimizer state); load fills it in.
+        # Only the tensors go through dcp.load: the param groups' hyperparameters are read as saved and
+        # laid over the optimizer's current ones. Loading them into the template fails when a newer torch
+        # added a hyperparameter (torch 2.13's Adam ``decoupled_weight_decay``) and when the world size
+        # changed (the template then flattens the groups differently from the saved keys).
         template = rename_in(optimizer_state_dict(model, optimizer, full=False, offload=False))
-        container = {key: template}
+        container = {key: {"state": template["state"]}}
         load_distributed(container, path)
-        return rename_out(container[key])
+        for group, saved in zip(template["param_groups"], _saved_param_groups(path, key)):
+            group.update(saved)
+        return rename_out({**container[key], "param_groups": template["param_groups"]})
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
     loaded = load_sharded_optimizer_state_dict(
         model_state_dict=model_state, optimizer_key=key, storage_reader=FileSystemReader(str(path))
     )
     return rename_out(loaded[key])
+
+
+def _saved_param_groups(path: Path, key: str) -> list:
+    """Optimizer ``key``'s param groups as saved: pickled objects, read from the shard files directly."""
+    import io
+    import re
+
+    import torch
+
+    index = read_shard_index(path)
+    whole = f"{key}.param_groups"
+    groups: Dict[int, Dict[str, Any]] = {}
+    for entry, info in index.storage_data.items():
+        fqn = entry.fqn
+        field = re.fullmatch(re.escape(whole) + r"\.(\d+)\.(\w+)", fqn)
+        if fqn != whole and not field:
+            continue
+        with open(path / info.relative_path, "rb") as handle:
+            handle.seek(info.offset)
+            value = torch.load(io.BytesIO(handle.read(info.length)), weights_only=False)
+        if fqn == whole:
+            return list(value)
+        groups.setdefault(int(field.group(1)), {})[field.group(2)] = value
+    return [groups[i] for i in sorted(groups)]
 
 
 # --- torch.distributed.checkpoint and files ------------------------------------------------------
