@@ -1,0 +1,174 @@
+"""The benchmark's rank program, launched by ``resume_benchmark.py`` under torchrun (FSDP on the CPU).
+
+``--phase save`` trains one step (so Adam has state) and times ``trainer.save_checkpoint``;
+``--phase resume`` starts fresh processes, ``trainer.fit(ckpt_path=...)`` and times
+``FSDPStrategy.load_checkpoint``, which restores model and optimizers on the shim and on native
+Lightning >= 2.1 alike. Each rank measures its peak resident memory during the phase and writes one
+JSON record into ``--out``. The same program runs on native Lightning: the shim then does nothing.
+"""
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+if importlib.util.find_spec("lightning") is not None:  # lightning.pytorch where installed, as the tests do
+    import lightning.pytorch as L
+else:
+    import pytorch_lightning as L
+
+import lightning_fsdp_resume as shim
+
+from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
+from peak_rss import PeakRss
+
+ADAM_STATES_PER_PARAMETER = 2  # exp_avg and exp_avg_sq, each the parameter's size
+
+
+class Block(nn.Module):
+    """One FSDP unit: a square layer, so the model's size is ``layers × width²``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class Model(L.LightningModule):
+    def __init__(self, width: int, layers: int, outputs: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(layers)))
+        self.head = nn.Linear(width, outputs)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.blocks(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-3)
+
+
+def full_state_bytes(model: nn.Module) -> int:
+    """Parameters plus Adam's two moments, as a full checkpoint holds them (Adam's step counters left out)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params * (1 + ADAM_STATES_PER_PARAMETER)
+
+
+class Measured:
+    """Runs a callable under a timer and a :class:`PeakRss`, once, and keeps the figures."""
+
+    def __init__(self) -> None:
+        self.seconds = None
+        self.memory = None
+
+    def run(self, function, *args, **kwargs):
+        with PeakRss() as memory:
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            self.seconds = time.perf_counter() - start
+        self.memory = memory
+        return result
+
+
+class SaveAfterFirstStep(L.Callback):
+    def __init__(self, path: Path, measured: Measured) -> None:
+        self.path = path
+        self.measured = measured
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.strategy.barrier()  # both ranks start the clock together
+        self.measured.run(trainer.save_checkpoint, self.path)
+
+
+def timed_load(strategy, measured: Measured) -> None:
+    """Measure ``strategy.load_checkpoint`` of this instance, where Lightning restores from ``ckpt_path``."""
+    original = strategy.load_checkpoint
+
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        return measured.run(original, *args, **kwargs)
+
+    strategy.load_checkpoint = load_checkpoint
+
+
+def data(width: int, outputs: int) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, width, generator=generator)
+    y = torch.randn(8, outputs, generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", choices=["save", "resume"], required=True)
+    parser.add_argument("--state-dict-type", choices=["sharded", "full"], required=True)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--layers", type=int, required=True)
+    parser.add_argument("--use-orig-params", type=int, default=1)
+    # With fewer outputs than ranks, the head's sharded state is empty on some rank, and the shim's sharded
+    # resume fails there on torch 2.13 ("Missing key in checkpoint state_dict: optimizer_0.param_groups").
+    parser.add_argument("--outputs", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    enable_cpu_fsdp()
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    L.seed_everything(0)
+    model = Model(args.width, args.layers, args.outputs)
+    state_bytes = full_state_bytes(model)
+    strategy = L.strategies.FSDPStrategy(
+        state_dict_type=args.state_dict_type,
+        use_orig_params=bool(args.use_orig_params),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+    )
+    measured = Measured()
+    callbacks = []
+    if args.phase == "save":
+        callbacks.append(SaveAfterFirstStep(args.checkpoint, measured))
+    else:
+        timed_load(strategy, measured)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=strategy,
+        max_steps=1 if args.phase == "save" else 2,  # resume: one step more than the checkpoint holds
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train_dataloaders=data(args.width, args.outputs), ckpt_path=args.checkpoint if args.phase == "resume" else None)
+    if measured.seconds is None:
+        raise RuntimeError(f"the {args.phase} phase never ran: nothing was measured")
+    record = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "phase": args.phase,
+        "state_dict_type": args.state_dict_type,
+        "seconds": measured.seconds,
+        "rss_start": measured.memory.start,
+        "rss_peak": measured.memory.peak,
+        "growth": measured.memory.growth,
+        "full_state_bytes": state_bytes,
+        "lightning": L.__version__,
+        "shim": shim.status()[L.__name__].mode,
+        "torch": torch.__version__,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.phase}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Save and resume FSDP checkpoints, sharded and full, on 2 ranks: the shim against native Lightning.
+
+Run it with the Python of an environment holding Lightning 2.0.x (the shim side); give the Python of an
+environment with native Lightning 2.1.x and the same torch (``--native-python`` or the environment
+variable below) to measure both sides, interleaved, and print shim/native ratios. Each repeat launches,
+per side and checkpoint kind, one torchrun job that trains a step and saves, and one that resumes in
+new processes (``checkpoint_ranks.py``). Then it times ``import lightning_fsdp_resume``.
+
+    python benchmarks/resume_benchmark.py --native-python /path/to/native-env/bin/python
+
+Exits 1 when a run fails or the shim import pulls in torch or Lightning; missed targets are reported
+in the tables, not in the exit status.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import import_time
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RANK_PROGRAM = HERE / "checkpoint_ranks.py"
+NATIVE_PYTHON_ENV = "LIGHTNING_FSDP_RESUME_NATIVE_PYTHON"
+RANKS = 2
+PHASES = ("save", "resume")
+KINDS = ("sharded", "full")
+MB = 1e6
+
+# The targets, as data: each is checked against the figures and printed with them.
+RESUME_TIME_RATIO_LIMIT = 1.05
+FULL_RESUME_MEMORY_RATIO_LIMIT = 1.02  # "no worse than native", within 2% for sampling noise
+IMPORT_LIMIT_S = 0.005
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p)
+    # Native 2.1.4 torch.load()s full checkpoints with torch's default, weights_only=True since torch 2.6,
+    # which refuses Lightning's checkpoints; both sides read trusted files the same way.
+    env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    return env
+
+
+def launch(python: str, phase: str, kind: str, checkpoint: Path, out: Path, args: argparse.Namespace) -> List[Dict]:
+    """One torchrun job of the rank program; every rank's record, by rank."""
+    command = [
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", str(RANK_PROGRAM),
+        "--phase", phase, "--state-dict-type", kind, "--checkpoint", str(checkpoint), "--out", str(out),
+        "--width", str(args.width), "--layers", str(args.layers), "--outputs", str(args.outputs), "--use-orig-params", str(args.use_orig_params),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(), check=False)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{phase} ({kind}) with {python} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+        )
+    return [json.loads((out / f"{phase}_rank{rank}.json").read_text()) for rank in range(RANKS)]
+
+
+def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path) -> Dict[Tuple[str, str, str], List]:
+    """``{(phase, kind, side): [per-repeat list of rank records]}``, the sides interleaved run by run."""
+    results: Dict[Tuple[str, str, str], List] = {}
+    for repeat in range(args.repeats):
+        for kind in KINDS:
+            for side, python in sides:
+                run_dir = workdir / f"{side}-{kind}-{repeat}"
+                checkpoint = run_dir / ("checkpoint" if kind == "sharded" else "checkpoint.ckpt")
+                for phase in PHASES:
+                    print(f"repeat {repeat + 1}/{args.repeats}: {side:<6} {kind:<7} {phase}", file=sys.stderr, flush=True)
+                    records = launch(python, phase, kind, checkpoint, run_dir, args)
+                    results.setdefault((phase, kind, side), []).append(records)
+                shutil.rmtree(run_dir)  # a few hundred MB each
+    return results
+
+
+class Figures:
+    """Medians over repeats of one (phase, kind, side): wall time (slowest rank) and each rank's peak growth."""
+
+    def __init__(self, repeats: List[List[Dict]]) -> None:
+        self.times = [max(record["seconds"] for record in records) for records in repeats]
+        self.time = statistics.median(self.times)
+        self.growth = [statistics.median(records[rank]["growth"] for records in repeats) for rank in range(RANKS)]
+        self.growth_spread = [
+            (min(r[rank]["growth"] for r in repeats), max(r[rank]["growth"] for r in repeats)) for rank in range(RANKS)
+        ]
+        first = repeats[0][0]
+        self.lightning = first["lightning"]
+        self.mode = first["shim"]
+        self.torch = first["torch"]
+        self.full_state = first["full_state_bytes"]
+
+    @property
+    def worst_growth(self) -> float:
+        return max(self.growth)
+
+
+def _mb(value: float) -> str:
+    return f"{value / MB:.1f}"
+
+
+def _ratio(shim: float, native: float) -> Optional[float]:
+    return shim / native if native > 0 else None
+
+
+def _show(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _verdict(met: Optional[bool]) -> str:
+    return "not measured" if met is None else ("yes" if met else "**NO**")
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: argparse.Namespace) -> str:
+    sides = sorted({side for _, _, side in figures}, key=["shim", "native"].index)
+    any_figures = next(iter(figures.values()))
+    lines = [
+        f"{RANKS} ranks, CPU (gloo), torch {any_figures.torch}, {os.cpu_count()} CPU cores; model {args.layers} layers"
+        f" × width {args.width}, full state {_mb(any_figures.full_state)} MB (parameters + Adam moments);"
+        f" use_orig_params={bool(args.use_orig_params)}; median of {args.repeats} repeats.",
+        "",
+    ]
+    rows = []
+    for phase in PHASES:
+        for kind in KINDS:
+            for side in sides:
+                f = figures[(phase, kind, side)]
+                growth = [f"{_mb(g)} ({_mb(lo)}–{_mb(hi)})" for g, (lo, hi) in zip(f.growth, f.growth_spread)]
+                rows.append([phase, kind, side, f"{f.lightning} {f.mode}", f"{f.time:.3f}",
+                             f"{min(f.times):.3f}–{max(f.times):.3f}", *growth])
+    lines.append(table(["phase", "kind", "side", "Lightning", "time s", "time range s",
+                        *(f"rank {r} peak growth MB (range)" for r in range(RANKS))], rows))
+
+    ratios = {}
+    if "native" in sides:
+        rows = []
+        for phase in PHASES:
+            for kind in KINDS:
+                shim, native = figures[(phase, kind, "shim")], figures[(phase, kind, "native")]
+                ratios[(phase, kind)] = (_ratio(shim.time, native.time), _ratio(shim.worst_growth, native.worst_growth))
+                rows.append([phase, kind, *(_show(r) for r in ratios[(phase, kind)])])
+        lines += ["", table(["phase", "kind", "time shim/native", "peak growth shim/native (worst rank)"], rows)]
+
+    sharded = figures[("resume", "sharded", "shim")]
+    allowance = sharded.full_state / RANKS + args.allowance_mb * MB
+    targets = [
+        (f"sharded resume: per-rank peak growth ≤ full state / {RANKS} + {args.allowance_mb:g} MB",
+         f"{_mb(sharded.worst_growth)} MB (worst rank)", f"≤ {_mb(allowance)} MB", sharded.worst_growth <= allowance),
+    ]
+    for kind in KINDS:
+        ratio = ratios.get(("resume", kind), (None, None))[0]
+        targets.append((f"{kind} resume time shim/native", _show(ratio), f"≤ {RESUME_TIME_RATIO_LIMIT}",
+                        None if ratio is None else ratio <= RESUME_TIME_RATIO_LIMIT))
+    memory_ratio = ratios.get(("resume", "full"), (None, None))[1]
+    targets.append(("full resume peak growth shim/native (worst rank)", _show(memory_ratio),
+                    f"≤ {FULL_RESUME_MEMORY_RATIO_LIMIT}",
+                    None if memory_ratio is None else memory_ratio <= FULL_RESUME_MEMORY_RATIO_LIMIT))
+    added_ms = imports["added"] * 1e3
+    targets.append((f"import lightning_fsdp_resume after import wrapt (median of {imports['repeats']})",
+                    f"+{added_ms:.2f} ms ({imports['wrapt'] * 1e3:.2f} → {imports['wrapt_and_shim'] * 1e3:.2f} ms)",
+                    f"< {IMPORT_LIMIT_S * 1e3:g} ms", imports["added"] < IMPORT_LIMIT_S))
+    heavy = imports["heavy_imported"]
+    targets.append(("import lightning_fsdp_resume imports neither torch nor Lightning",
+                    ", ".join(heavy) if heavy else "none imported", "none", not heavy))
+    lines += ["", table(["target", "figure", "limit", "met"], [[*t[:3], _verdict(t[3])] for t in targets])]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--native-python", default=os.environ.get(NATIVE_PYTHON_ENV),
+                        help=f"Python of a native Lightning 2.1.x environment (default: ${NATIVE_PYTHON_ENV}; none: shim only)")
+    parser.add_argument("--width", type=int, default=2048, help="width of each square layer (default 2048)")
+    parser.add_argument("--layers", type=int, default=8, help="layers, one FSDP unit each (default 8: 403 MB of state)")
+    parser.add_argument("--outputs", type=int, default=8, help="outputs of the head layer (default 8)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, kind and phase (default 3)")
+    parser.add_argument("--import-repeats", type=int, default=40, help="interpreters per import measurement (default 40)")
+    parser.add_argument("--use-orig-params", type=int, choices=[0, 1], default=1,
+                        help="1 (default): native 2.1.x cannot save full optimizer state with flat parameters")
+    parser.add_argument("--allowance-mb", type=float, default=64.0,
+                        help="the constant of the sharded-resume memory target (default 64 MB)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where checkpoints go (default: a temporary directory)")
+    args = parser.parse_args(argv)
+
+    sides = [("shim", sys.executable)] + ([("native", args.native_python)] if args.native_python else [])
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fsdp-resume-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run_all(sides, args, workdir)
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
+        return 1
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    imports = import_time.measure(sys.executable, args.import_repeats, env=_env())
+    print(report({key: Figures(value) for key, value in results.items()}, imports, args))
+    return 1 if imports["heavy_imported"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

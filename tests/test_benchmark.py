@@ -1,0 +1,53 @@
+"""The benchmark runs at its smallest size on the shim side and prints every row it promises."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from ranks import _run
+
+pytestmark = pytest.mark.multirank
+
+from lightning_fsdp_resume.testing import cpu_fsdp_supported  # noqa: E402
+
+_SUPPORTED, _WHY = cpu_fsdp_supported()
+if not _SUPPORTED:
+    pytest.skip(_WHY, allow_module_level=True)
+
+BENCHMARK = Path(__file__).parent.parent / "benchmarks" / "resume_benchmark.py"
+
+
+def _tables(output: str):
+    """Each markdown table of the output as a list of {column: cell} rows."""
+    tables, header = [], None
+    for line in output.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if header is None:
+            header = cells
+            tables.append([])
+        elif not set("".join(cells)) <= {"-"}:
+            tables[-1].append(dict(zip(header, cells)))
+    return tables
+
+
+def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_path):
+    output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--repeats", "1",
+                   "--import-repeats", "2", "--workdir", str(tmp_path)], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""})
+    figures, targets = _tables(output)
+    assert [(r["phase"], r["kind"], r["side"]) for r in figures] == [
+        (phase, kind, "shim") for phase in ("save", "resume") for kind in ("sharded", "full")
+    ]
+    for row in figures:
+        assert row["Lightning"].endswith(("patched", "native")), row
+        assert float(row["time s"]) > 0
+        for rank in (0, 1):
+            assert re.fullmatch(r"-?\d+\.\d \(-?\d+\.\d–-?\d+\.\d\)", row[f"rank {rank} peak growth MB (range)"]), row
+    verdicts = {row["target"].split(":")[0].split(" (")[0]: row["met"] for row in targets}
+    assert verdicts["sharded resume"] in ("yes", "**NO**")
+    assert verdicts["sharded resume time shim/native"] == "not measured"  # no native side given
+    assert verdicts["import lightning_fsdp_resume imports neither torch nor Lightning"] == "yes"
+    assert not list(tmp_path.iterdir()), "the checkpoints of each run are removed after it"
