@@ -182,7 +182,8 @@ def _load_full(self: Any, path: Path) -> Dict[str, Any]:
     for optimizer, state in zip(self.optimizers, optimizer_states):
         if _format.is_id_keyed(state):
             # Written by a non-FSDP run or by a full FSDP save: map ids to this optimizer's parameters.
-            current = compat.optimizer_state_dict(self.model, optimizer, full=True, offload=False, rank0_only=False)
+            # Only the parameter names are needed: the sharded state has them, without gathering anything.
+            current = compat.optimizer_state_dict(self.model, optimizer, full=False, offload=False)
             current = _format.strip_optimizer_prefix(current, prefix)
             state = _format.ids_to_names(state, _names_by_group(self, current))
         compat.load_optimizer_state_dict(self.model, optimizer, _format.add_optimizer_prefix(state, prefix), full=True)
