@@ -212,10 +212,11 @@ def read_distributed_in_one_process(state: Dict[str, Any], path: Path, planner: 
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": that is the intent.
         warnings.filterwarnings("ignore", message=".*single process")
-        if "no_dist" in inspect.signature(dcp.load).parameters:
+        if torch_release() >= (2, 3) and "no_dist" in inspect.signature(dcp.load).parameters:
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
         else:
-            # torch 2.4 and older: dcp.load has no no_dist; the deprecated loader takes it.
+            # torch 2.4: dcp.load has no no_dist; torch 2.2's gathers keys over the missing process group
+            # even with it. The deprecated loader takes no_dist on both.
             warnings.filterwarnings("ignore", category=FutureWarning)
             dcp.load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 
