@@ -8,8 +8,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
 
-# torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict.
-_STATE_DICT_API = (2, 4)
+# torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict, but
+# its version fails on a rank that holds no shard of a parameter ("Only single local shard is
+# supported": more ranks than rows, or resharding onto more ranks); torch 2.13's does not. So from 2.5.
+_STATE_DICT_API = (2, 5)
 # torch 2.2 adds dcp.save()/dcp.load() and deprecates save_state_dict()/load_state_dict().
 _DCP_SAVE_LOAD = (2, 2)
 # torch 2.1 adds torch.load(mmap=True): a full checkpoint is then read lazily, shared by all ranks.
