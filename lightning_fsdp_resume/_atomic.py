@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 _PARTIAL = ".fsdp-resume-partial-"
 _PREVIOUS = ".fsdp-resume-previous-"
@@ -38,24 +38,17 @@ def previous_of(path: Path) -> List[Path]:
     return [p for p in leftovers(path.parent) if p.name.startswith(f"{path.name}{_PREVIOUS}")]
 
 
-def publish(partial: Path, path: Path) -> Optional[Path]:
-    """Put the complete ``partial`` at ``path``; returns where the replaced checkpoint now is, if any."""
+def publish(partial: Path, path: Path) -> None:
+    """Put the complete ``partial`` at ``path``. A replaced checkpoint is left as a leftover: at ``partial``
+    after an exchange, else at a previous sibling."""
     if not os.path.lexists(path):
         os.rename(partial, path)
-        _sync_directory(path.parent)
-        return None
-    if not path.is_dir() and not partial.is_dir():
+    elif not path.is_dir() and not partial.is_dir():
         os.replace(partial, path)  # atomic for files
-        _sync_directory(path.parent)
-        return None
-    if _exchange(partial, path):
-        _sync_directory(path.parent)
-        return partial  # now holds the replaced checkpoint
-    previous = path.parent / f"{path.name}{_PREVIOUS}{partial.name[len(_PARTIAL):]}"
-    os.rename(path, previous)
-    os.rename(partial, path)
+    elif not _exchange(partial, path):
+        os.rename(path, path.parent / f"{path.name}{_PREVIOUS}{partial.name[len(_PARTIAL):]}")
+        os.rename(partial, path)
     _sync_directory(path.parent)
-    return previous
 
 
 def remove(path: Path) -> None:

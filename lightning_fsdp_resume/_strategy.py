@@ -117,8 +117,8 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
 
 def _publish(partial: Path, path: Path) -> None:
     """Rank 0: the complete save replaces ``path``; then the replaced checkpoint and any leftovers go."""
-    replaced = _atomic.publish(partial, path)
-    for leftover in ([replaced] if replaced else []) + _atomic.leftovers(path.parent):
+    _atomic.publish(partial, path)
+    for leftover in _atomic.leftovers(path.parent):  # the replaced checkpoint is one of them
         _atomic.remove(leftover)
 
 
@@ -164,10 +164,8 @@ def _load_full(self: Any, path: Path) -> Dict[str, Any]:
     prefix = _prefix(self)
     fitting = _fitting(self)
     optimizer_states = checkpoint.get("optimizer_states")
-    if fitting and optimizer_states is not None:
-        _check_optimizer_count(self, len(optimizer_states), path)
-    elif fitting and self.optimizers:
-        raise _verify.weights_only_error(path)
+    if fitting:
+        _check_optimizer_count(self, len(optimizer_states or []), path)
     state_dict = checkpoint.pop("state_dict")
     sharded = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
     keys = _loadable_keys(self, path, sharded, _verify.tensor_shapes(state_dict), fitting)

@@ -91,15 +91,15 @@ def load_model_state_dict(model: Any, state_dict: Dict[str, Any], full: bool, st
         model.load_state_dict(state_dict, strict=strict)
 
 
-def optimizer_state_dict(model: Any, optimizer: Any, full: bool, offload: bool, rank0_only: bool = True) -> Dict[str, Any]:
-    """Keyed by parameter name. Full with ``rank0_only``: complete on rank 0, possibly empty elsewhere."""
+def optimizer_state_dict(model: Any, optimizer: Any, full: bool, offload: bool) -> Dict[str, Any]:
+    """Keyed by parameter name. Full: complete on rank 0, possibly empty elsewhere."""
     if _new_api():
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer, options=_options(full, offload and rank0_only))
+        return get_optimizer_state_dict(model, optimizer, options=_options(full, offload))
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    with _legacy_context(model, full, offload, rank0_only):
+    with _legacy_context(model, full, offload, rank0_only=True):
         return FSDP.optim_state_dict(model, optimizer)
 
 
