@@ -1,7 +1,8 @@
 """Reading and comparing what the worker wrote. Comparisons are exact: ``torch.equal``, no tolerance."""
+import hashlib
 import json
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -58,6 +59,12 @@ def assert_ranks_identical(
         assert expected["params"], "no parameters were recorded"
         assert any(o["state"] for o in expected["optim"]), "no optimizer state was recorded"
         assert_identical(expected, actual, f"rank {rank}: {expected_name} vs {actual_name}")
+
+
+def file_hashes(path: Path) -> Dict[str, str]:
+    """Content hash of every file of a checkpoint (a directory or one file), by path below its parent."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def info(directory: Path, name: str, rank: int = 0) -> dict:

@@ -2,7 +2,6 @@
 and the clear error each broken input gets. Checkpoints are made by the patched strategy's own
 ``save_checkpoint`` over a one-process gloo group; the multi-rank versions are in test_crash_safety.py.
 """
-import hashlib
 import os
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 
 from lightning_fsdp_resume import _atomic, _verify
 from lightning_fsdp_resume import _torch_compat as compat
+from states import file_hashes
 from test_activation import PATCHABLE, strategy_class
 
 needs_patch = pytest.mark.skipif(not PATCHABLE, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
@@ -56,11 +56,6 @@ def saved_epoch(path: Path) -> int:
     return (_verify.read_meta(path) if path.is_dir() else compat.load_file(path, lazy=False))["epoch"]
 
 
-def hashes(path: Path):
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-
-
 def test_partial_saves_are_hidden_and_never_named_last(tmp_path):
     partial = _atomic.partial_path(tmp_path / "last.ckpt", "abc")
     assert partial.parent == tmp_path and partial.name.startswith(".") and "last" not in partial.name
@@ -87,7 +82,7 @@ class TestAtomicSaves:
 
     def test_a_failed_save_keeps_the_previous_checkpoint_and_the_next_one_cleans_up(self, tmp_path, monkeypatch):
         path = save(tmp_path / "last.ckpt", 1)
-        before = hashes(path)
+        before = file_hashes(path)
 
         def fail_after_writing(state, partial):
             original(state, partial)
@@ -98,7 +93,7 @@ class TestAtomicSaves:
         with pytest.raises(OSError, match="disk full"):
             save(path, 2)
         monkeypatch.undo()
-        assert hashes(path) == before
+        assert file_hashes(path) == before
         leftovers = _atomic.leftovers(tmp_path)
         assert len(leftovers) == 1 and "last" not in leftovers[0].name
         save(path, 3)
@@ -171,12 +166,12 @@ SHARDED_DAMAGE = {
 def test_damaged_sharded_checkpoint_is_refused_untouched(tmp_path, process_group, how):
     path = save(tmp_path / "damaged.ckpt", 1)
     _damage(path, how)
-    before = hashes(path)
+    before = file_hashes(path)
     error, message = SHARDED_DAMAGE[how]
     with pytest.raises(error, match=message) as refused:
         _strategy("sharded").load_checkpoint(path)
     assert str(path) in str(refused.value)
-    assert hashes(path) == before
+    assert file_hashes(path) == before
 
 
 @needs_patch
@@ -206,11 +201,11 @@ def test_what_is_not_a_checkpoint_is_refused_with_its_path(tmp_path, what, error
         path.write_text("not a checkpoint\n")
     elif what == "list":
         torch.save([1, 2, 3], path)
-    before = hashes(path) if path.exists() else None
+    before = file_hashes(path) if path.exists() else None
     with pytest.raises(error, match=message) as refused:
         _strategy("full").load_checkpoint(path)
     assert str(path) in str(refused.value)
-    assert (hashes(path) if path.exists() else None) == before
+    assert (file_hashes(path) if path.exists() else None) == before
 
 
 def test_model_fit_check_honours_strict(tmp_path):

@@ -4,16 +4,15 @@ checkpoints of other models, weights-only checkpoints, ranks that disagree on th
 The atomic saves are the shim's: native Lightning writes sharded checkpoints in place, so on native
 Lightning these tests are skipped with that reason.
 """
-import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Optional
 
 import pytest
 
 from ranks import FULL_USE_ORIG_PARAMS, NATIVE, VERSION, config, worker
-from states import assert_identical, assert_ranks_identical, info, load
+from states import assert_identical, assert_ranks_identical, file_hashes, info, load
 
 pytestmark = pytest.mark.multirank
 
@@ -48,12 +47,6 @@ SHARDED_TRIALS = [
 FULL_TRIALS = [("mid-file", 0), ("before-publish", 0)]
 
 
-def _hashes(path: Path) -> Dict[str, str]:
-    """Content hash of every file of a checkpoint (a directory or one file)."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-
-
 def _last_candidates(ckpt: Path):
     """What Lightning 2.0.x's ``ckpt_path="last"`` chooses from: every entry whose name contains 'last'."""
     return sorted(p.name for p in ckpt.iterdir() if "last" in p.name) if ckpt.is_dir() else []
@@ -67,7 +60,7 @@ def _run_chain(reference, tmp_path: Path, state_dict_type: str, use_orig_params:
     saved_epoch: Optional[int] = None  # epoch of the checkpoint at last.ckpt; None: there is none
     for launch, (point, rank) in enumerate(trials):
         run = tmp_path / f"launch{launch}"
-        before = _hashes(ckpt / LAST) if (ckpt / LAST).exists() else None
+        before = file_hashes(ckpt / LAST) if (ckpt / LAST).exists() else None
         args = [*config(run, state_dict_type, use_orig_params), "--ckpt-dir", ckpt, "--last-only", "--max-epochs", 3]
         # Kill the first save when there is a checkpoint to protect (or the chain starts that way);
         # otherwise let one save complete and kill the second.
@@ -84,7 +77,7 @@ def _run_chain(reference, tmp_path: Path, state_dict_type: str, use_orig_params:
         if point == "after-publish":
             saved_epoch = (saved_epoch if saved_epoch is not None else -1) + 1  # the new one was complete
         elif before is not None:
-            assert _hashes(ckpt / LAST) == before, f"{point}@rank{rank}: the previous checkpoint was modified"
+            assert file_hashes(ckpt / LAST) == before, f"{point}@rank{rank}: the previous checkpoint was modified"
         if saved_epoch is None:
             assert not (ckpt / LAST).exists(), f"{point}@rank{rank}: a partial first save became visible"
         assert _last_candidates(ckpt) == ([LAST] if saved_epoch is not None else []), _last_candidates(ckpt)
@@ -129,12 +122,12 @@ def test_killed_full_saves_leave_the_previous_checkpoint_loadable(reference, tmp
 
 
 def _refused(tmp_path: Path, ckpt: Path, *args, pattern: str) -> None:
-    before = _hashes(ckpt)
+    before = file_hashes(ckpt)
     output = worker(tmp_path, *config(tmp_path, "sharded", 0), "--ckpt-path", ckpt, *args, expect_failure=True)
     assert re.search(pattern, output), output[-4000:]
     assert str(ckpt) in output
     assert not list((tmp_path / "out").glob("*.pt")), "the run went on from a refused checkpoint"
-    assert _hashes(ckpt) == before
+    assert file_hashes(ckpt) == before
 
 
 def test_checkpoint_of_a_wider_model_is_refused(reference, tmp_path):
