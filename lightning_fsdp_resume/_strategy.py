@@ -152,6 +152,7 @@ def _load_sharded(self: Any, path: Path) -> Dict[str, Any]:
                 model_state,
                 _format.optimizer_key(index),
                 path,
+                shards,
                 rename_in=lambda s: _format.strip_optimizer_prefix(s, prefix),
                 rename_out=lambda s: _format.add_optimizer_prefix(s, prefix),
             )

@@ -117,11 +117,12 @@ def load_optimizer_state_dict(model: Any, optimizer: Any, state: Dict[str, Any],
 
 
 def read_sharded_optimizer_state(
-    model: Any, optimizer: Any, model_state: Dict[str, Any], key: str, path: Path, rename_in, rename_out
+    model: Any, optimizer: Any, model_state: Dict[str, Any], key: str, path: Path, shards: Any, rename_in, rename_out
 ) -> Dict[str, Any]:
     """Read optimizer ``key`` of a sharded checkpoint into this rank's shards, keyed by parameter name.
 
-    ``model_state`` is the model's sharded state as stored (names without the wrapper prefix);
+    ``model_state`` is the model's sharded state as stored (names without the wrapper prefix), ``shards``
+    the checkpoint's index (``read_shard_index``);
     ``rename_in``/``rename_out`` convert an optimizer state between stored names and the model's names.
     """
     from torch.distributed.checkpoint import FileSystemReader
@@ -135,7 +136,7 @@ def read_sharded_optimizer_state(
         template = rename_in(optimizer_state_dict(model, optimizer, full=False, offload=False))
         container = {key: {"state": template["state"]}}
         load_distributed(container, path)
-        for group, saved in zip(template["param_groups"], _saved_param_groups(path, key)):
+        for group, saved in zip(template["param_groups"], _saved_param_groups(path, key, shards)):
             group.update(saved)
         return rename_out({**container[key], "param_groups": template["param_groups"]})
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
@@ -146,14 +147,13 @@ def read_sharded_optimizer_state(
     return rename_out(loaded[key])
 
 
-def _saved_param_groups(path: Path, key: str) -> list:
+def _saved_param_groups(path: Path, key: str, index: Any) -> list:
     """Optimizer ``key``'s param groups as saved: pickled objects, read from the shard files directly."""
     import io
     import re
 
     import torch
 
-    index = read_shard_index(path)
     whole = f"{key}.param_groups"
     groups: Dict[int, Dict[str, Any]] = {}
     for entry, info in index.storage_data.items():
