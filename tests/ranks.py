@@ -1,7 +1,10 @@
 """Launching worker processes for the multi-rank tests: the one place that knows how."""
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -10,6 +13,13 @@ import pytest
 HERE = Path(__file__).parent
 WORKER = HERE / "fsdp_worker.py"
 TIMEOUT_S = 300
+# Runs that are several torchrun launches of their own (the two-node run, the benchmark's smoke run)
+# are made in one environment of the matrix, for time: tox sets this there.
+LONG_RUNS_ENV = "LIGHTNING_FSDP_RESUME_LONG_RUNS"
+long_runs = pytest.mark.skipif(
+    os.environ.get(LONG_RUNS_ENV) != "1",
+    reason=f"several torchrun launches of its own: runs where {LONG_RUNS_ENV}=1 (tox: lightning209-torch213)",
+)
 # Reference runs train EPOCHS epochs and checkpoint each; resumed runs start from MID (after epoch 1).
 EPOCHS = 3
 MID = "epoch=1.ckpt"
@@ -39,15 +49,67 @@ def torchrun(script: Path, args: Sequence[str], nproc: int = 2, env=None, expect
     return _run(command + [str(a) for a in args], env, expect_failure)
 
 
+# The worker's launches are forks of the rank server (rank_server.py): the same ranks, environment and
+# failure handling as torchrun, without importing Lightning anew for each. "torchrun" here launches
+# every one with torchrun instead.
+LAUNCHER_ENV = "LIGHTNING_FSDP_RESUME_TEST_LAUNCHER"
+_server = []  # the rank server of this pytest session, started on first use
+
+
+def _rank_server() -> subprocess.Popen:
+    if _server and _server[0].poll() is None:
+        return _server[0]
+    import atexit
+
+    errors = tempfile.NamedTemporaryFile("w+", prefix="rank-server-", suffix=".log")
+    server = subprocess.Popen([sys.executable, str(HERE / "rank_server.py")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=errors, text=True, env=_env())
+    server.errors = errors
+    if not json.loads(server.stdout.readline() or "{}").get("ready"):
+        errors.seek(0)
+        pytest.fail(f"the rank server did not start:\n{errors.read()[-12000:]}")
+    atexit.register(server.kill)
+    _server[:] = [server]
+    return server
+
+
+def _forked(args: Sequence[str], nproc: int, expect_failure: bool) -> str:
+    server = _rank_server()
+    logs = tempfile.mkdtemp(prefix="ranks-")
+    try:
+        request = {"args": list(args), "nproc": nproc, "logs": logs, "timeout": TIMEOUT_S}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        line = server.stdout.readline()
+        if not line:
+            server.errors.seek(0)
+            pytest.fail(f"the rank server died:\n{server.errors.read()[-12000:]}")
+        reply = json.loads(line)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    failed = any(reply["codes"])
+    what = f"worker {' '.join(args)} on {nproc or 'one plain'} forked rank(s)"
+    if expect_failure and not failed:
+        pytest.fail(f"{what} succeeded but was expected to fail\n{reply['output'][-6000:]}")
+    if failed and not expect_failure:
+        pytest.fail(f"{what} exited {reply['codes']}\n{reply['output'][-18000:]}")
+    return reply["output"]
+
+
 def single(script: Path, args: Sequence[str], env=None, expect_failure: bool = False) -> str:
     return _run([sys.executable, str(script)] + [str(a) for a in args], env, expect_failure)
 
 
-def worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = False) -> str:
-    """The Trainer worker on ``nproc`` ranks; ``nproc=0`` runs it as one plain process without FSDP."""
+def worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = False, by_torchrun: bool = False) -> str:
+    """The Trainer worker on ``nproc`` ranks; ``nproc=0`` runs it as one plain process without FSDP.
+
+    Forks of the rank server unless ``by_torchrun``, ``env`` or LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun."""
+    forked = not (by_torchrun or env or os.environ.get(LAUNCHER_ENV) == "torchrun")
     if nproc == 0:
-        return single(WORKER, ["--strategy", "single", *args], env, expect_failure)
-    return torchrun(WORKER, list(args), nproc, env, expect_failure)
+        args = ["--strategy", "single", *map(str, args)]
+        return _forked(args, 0, expect_failure) if forked else single(WORKER, args, env, expect_failure)
+    args = [str(a) for a in args]
+    return _forked(args, nproc, expect_failure) if forked else torchrun(WORKER, args, nproc, env, expect_failure)
 
 
 def nodes(tmp: Path, *args, count: int = 2, env=None) -> str:

@@ -44,6 +44,16 @@ def test_sharded_resume_is_bit_exact(reference, tmp_path, use_orig_params):
     assert info(resumed / "out", "start")["epoch"] == 2
 
 
+def test_a_torchrun_launch_resumes_the_same_as_the_rank_server(reference, tmp_path):
+    """The suite forks its ranks from a process that has already imported Lightning (rank_server.py);
+    a resume launched by torchrun itself restores and ends exactly as the forked runs do."""
+    ref = reference("sharded", 0)
+    worker(tmp_path, *config(tmp_path, "sharded", 0), "--max-epochs", EPOCHS, "--ckpt-path", ref / "ckpt" / MID,
+           by_torchrun=True)
+    assert_ranks_identical(ref / "out", "epoch1", tmp_path / "out", "start")
+    assert_ranks_identical(ref / "out", "final", tmp_path / "out", "final")
+
+
 @pytest.mark.parametrize("use_orig_params", [0, 1])
 def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params):
     if NATIVE and not use_orig_params:

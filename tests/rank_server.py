@@ -1,0 +1,132 @@
+"""Starts the worker's ranks as forks of one process that has already imported torch and Lightning.
+
+Importing Lightning 2.0.x (which imports ``lightning.app``) takes about 10 of the 15 seconds a torchrun
+launch needs on a 2-core machine, and the suite launches the worker dozens of times in each environment
+of the matrix. This server pays the import once per pytest session. Every launch still gets new
+processes: forks of a parent that has imported but never trained, with torchrun's environment
+variables, meeting over gloo on the loopback interface. As under torchrun, the first rank to fail takes
+the others down with it, and the output names each rank's exit code (``-9`` for SIGKILL).
+
+``ranks.torchrun`` talks to it in JSON lines: a request ``{"args", "nproc", "logs", "timeout"}`` on
+stdin, a reply ``{"codes", "output"}`` on stdout. ``LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun``
+makes the tests launch with torchrun instead.
+"""
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+POLL_S = 0.02
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _torchrun_environment(rank: int, nproc: int, port: int) -> dict:
+    """What torchrun gives a worker of a one-node launch, less its agent's store (rank 0 hosts one)."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"rank-server-{port}",
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
+def _rank(worker, args, rank: int, nproc: int, port: int, log: str) -> None:
+    """The forked child: becomes one rank of the worker and never returns."""
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        if nproc:
+            os.environ.update(_torchrun_environment(rank, nproc, port))
+        # Lightning reads the rank from the environment once, when imported: tell it what it would have read.
+        from lightning_utilities.core.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = rank
+        sys.argv = [worker.__file__, *args]
+        worker.main()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: B036 - reported in the rank's log, like an uncaught exception under torchrun
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def launch(worker, args, nproc: int, logs: str, timeout: float) -> dict:
+    """``nproc`` ranks of the worker; ``nproc=0``: one plain process, not launched as a rank."""
+    port = _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = {}
+    for rank in range(max(nproc, 1)):
+        log = os.path.join(logs, f"rank{rank}.log")
+        pid = os.fork()
+        if pid == 0:
+            _rank(worker, args, rank, nproc, port, log)
+        children[pid] = rank
+    codes = {}
+    notes = []
+    deadline = time.monotonic() + timeout
+    while len(codes) < len(children):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                notes.append(f"timed out after {timeout} s: killing every rank")
+                _kill(p for p, r in children.items() if r not in codes)
+                deadline = float("inf")
+            time.sleep(POLL_S)
+            continue
+        rank = children[pid]
+        codes[rank] = os.waitstatus_to_exitcode(status)
+        if codes[rank] != 0 and len(codes) < len(children):
+            notes.append(f"rank {rank} failed: stopping the other ranks")
+            _kill(p for p, r in children.items() if r not in codes)
+    output = []
+    for rank in range(len(children)):
+        with open(os.path.join(logs, f"rank{rank}.log"), errors="replace") as handle:
+            output.append(f"----- rank {rank} -----\n{handle.read()}")
+    for rank in range(len(children)):
+        code = codes[rank]
+        named = f" ({signal.Signals(-code).name})" if code < 0 else ""
+        output.append(f"rank {rank} exitcode: {code}{named}")
+    return {"codes": [codes[r] for r in range(len(children))], "output": "\n".join(output + notes) + "\n"}
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever the imports print goes to stderr, not into the replies
+    import fsdp_worker  # torch, the Lightning flavour under test and the shim
+
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        reply = launch(fsdp_worker, request["args"], request["nproc"], request["logs"], request["timeout"])
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()
