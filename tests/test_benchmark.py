@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import _run
+from ranks import _run, long_runs
 
 pytestmark = pytest.mark.multirank
 
@@ -36,6 +36,7 @@ def _tables(output: str):
     return tables
 
 
+@long_runs
 def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_path):
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS, "--repeats", "1",
                    "--import-repeats", "2", "--workdir", str(tmp_path)], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""})

@@ -4,7 +4,6 @@ checkpoints of other models, weights-only checkpoints, ranks that disagree on th
 The atomic saves are the shim's: native Lightning writes sharded checkpoints in place, so on native
 Lightning these tests are skipped with that reason.
 """
-import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -101,19 +100,10 @@ def _assert_restored(ref: Path, run: Path, saved_epoch: Optional[int]) -> None:
     assert_ranks_identical(ref / "out", f"epoch{saved_epoch}", run / "out", "start")
 
 
-FAULTS_ENV = "LIGHTNING_FSDP_RESUME_FAULTS"
-faults = pytest.mark.skipif(
-    os.environ.get(FAULTS_ENV) != "1",
-    reason=f"the fault-injection chains (13 launches) run where {FAULTS_ENV}=1: tox sets it in lightning209-torch213",
-)
-
-
-@faults
 def test_killed_sharded_saves_leave_the_previous_checkpoint_loadable(reference, tmp_path):
     assert _run_chain(reference, tmp_path, "sharded", 0, SHARDED_TRIALS, first_save_killed=True) == 9
 
 
-@faults
 def test_killed_full_saves_leave_the_previous_checkpoint_loadable(reference, tmp_path):
     assert _run_chain(reference, tmp_path, "full", FULL_USE_ORIG_PARAMS, FULL_TRIALS, first_save_killed=False) == 2
 

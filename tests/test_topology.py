@@ -3,7 +3,7 @@ rank each on the loopback interface.
 """
 import pytest
 
-from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, config, nodes, worker
+from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, config, long_runs, nodes, worker
 from states import assert_identical, assert_ranks_identical, info, load
 
 pytestmark = pytest.mark.multirank
@@ -33,6 +33,7 @@ def test_checkpoint_from_two_ranks_resumes_on_other_world_sizes(reference, tmp_p
     assert info(tmp_path / "out", "start")["epoch"] == 2
 
 
+@long_runs
 def test_two_nodes_save_once_and_resume_bit_exact(reference, tmp_path):
     """Two nodes of one rank: the same shards as one node of two ranks, meta.pt written by rank 0 only,
     and a resume where rank 1 names another path loads rank 0's."""
