@@ -56,45 +56,77 @@ def test_import_imports_neither_torch_nor_lightning():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("order", ["shim first", "lightning first"])
-@pytest.mark.parametrize("package", sorted(INSTALLED))
-def test_any_import_order_gives_the_same_result(package, order):
+ORDERS = ["shim first", "lightning first"]
+
+
+def _import_order_probe(package: str, order: str) -> str:
     imports = ["import lightning_fsdp_resume as shim", f"import {package}.strategies.fsdp as fsdp"]
     if order == "lightning first":
         imports.reverse()
-    imports.append(f"print(shim.status()[{package!r}].mode, 'restore_checkpoint_after_setup' in vars(fsdp.FSDPStrategy))")
-    out = python("\n".join(imports))
-    expected = "patched True" if package in PATCHABLE else "native " + str("restore_checkpoint_after_setup" in vars(strategy_class(package)))
-    assert out.split() == expected.split()
+    return "\n".join(imports + [f"print(shim.status()[{package!r}].mode, 'restore_checkpoint_after_setup' in vars(fsdp.FSDPStrategy))"])
 
 
-@pytest.mark.parametrize("package", NATIVE)
-def test_native_lightning_is_left_untouched(package):
-    out = python(
-        f"""
+def _untouched_probe(package: str) -> str:
+    return f"""
         import {package}.strategies.fsdp as fsdp
         before = dict(vars(fsdp.FSDPStrategy))
         import lightning_fsdp_resume as shim
         after = dict(vars(fsdp.FSDPStrategy))
         print(before.keys() == after.keys() and all(before[k] is after[k] for k in before), shim.status()[{package!r}].mode)
         """
-    )
-    assert out.split() == ["True", "native"]
 
 
-def test_environment_variable_disables_the_automatic_patch():
-    imports = "; ".join(f"import {package}" for package in INSTALLED)
-    out = python(
-        f"""
+_DISABLED_PROBE = f"""
         import lightning_fsdp_resume as shim
-        {imports}
+        {"; ".join(f"import {package}" for package in INSTALLED)}
         print(sorted({{s.mode for s in shim.status().values()}}))
         shim.patch()
         print(sorted({{s.mode for s in shim.status().values()}}))
-        """,
-        env={shim.DISABLE_ENV: "1"},
-    )
-    before, after = (set(ast.literal_eval(line)) for line in out.splitlines())
+        """
+
+# Fresh interpreters, each mostly an import of Lightning: started together, read by the tests below.
+PROBES = {
+    **{("order", package, order): (_import_order_probe(package, order), {}) for package in INSTALLED for order in ORDERS},
+    **{("untouched", package): (_untouched_probe(package), {}) for package in NATIVE},
+    ("disabled",): (_DISABLED_PROBE, {shim.DISABLE_ENV: "1"}),
+}
+
+
+@pytest.fixture(scope="module")
+def probe():
+    import os
+
+    running = {
+        key: subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, **env})
+        for key, (code, env) in PROBES.items()
+    }
+    finished = {key: process.communicate(timeout=300) for key, process in running.items()}
+    codes = {key: process.returncode for key, process in running.items()}
+
+    def result(*key) -> str:
+        """The probe's stdout, or a test failure with its stderr."""
+        assert codes[key] == 0, finished[key][1][-4000:]
+        return finished[key][0]
+
+    return result
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("package", sorted(INSTALLED))
+def test_any_import_order_gives_the_same_result(probe, package, order):
+    out = probe("order", package, order)
+    expected = "patched True" if package in PATCHABLE else "native " + str("restore_checkpoint_after_setup" in vars(strategy_class(package)))
+    assert out.split() == expected.split()
+
+
+@pytest.mark.parametrize("package", NATIVE)
+def test_native_lightning_is_left_untouched(probe, package):
+    assert probe("untouched", package).split() == ["True", "native"]
+
+
+def test_environment_variable_disables_the_automatic_patch(probe):
+    before, after = (set(ast.literal_eval(line)) for line in probe("disabled").splitlines())
     if PATCHABLE:
         assert "unpatched" in before and "patched" not in before
         assert "patched" in after and "unpatched" not in after
