@@ -8,6 +8,7 @@ import torch
 from lightning_fsdp_resume import _versions
 from lightning_fsdp_resume.demo import _report
 from lightning_fsdp_resume.testing import cpu_fsdp_supported
+from ranks import needs_consolidate
 
 
 def cli(*args, env=None):
@@ -83,6 +84,7 @@ def test_consolidate_without_its_arguments_is_a_usage_error():
     assert result.returncode == 2 and "DST" in result.stderr
 
 
+@needs_consolidate
 def test_consolidate_refusals_exit_1_naming_the_path(tmp_path):
     missing = cli("consolidate", str(tmp_path / "nowhere"), str(tmp_path / "out.ckpt"))
     assert missing.returncode == 1
@@ -102,3 +104,11 @@ def test_consolidate_refusals_exit_1_naming_the_path(tmp_path):
     assert exists.returncode == 1 and "Pass --overwrite" in exists.stderr
     assert (tmp_path / "out.ckpt").read_bytes() == b"mine"
     assert not exists.stdout
+
+
+@pytest.mark.skipif(not needs_consolidate.args[0], reason="this torch can consolidate: the refusals above apply")
+def test_consolidate_on_too_old_a_torch_exits_1_naming_the_minimum(tmp_path):
+    result = cli("consolidate", str(tmp_path / "src"), str(tmp_path / "out.ckpt"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "needs torch >= 2.2" in result.stderr, result.stderr
+    assert not (tmp_path / "out.ckpt").exists()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, config, worker
+from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, config, needs_consolidate, worker
 from states import assert_identical, assert_ranks_identical, differences, load
 
 from lightning_fsdp_resume import _consolidate
@@ -42,17 +42,20 @@ def fake_sharded(directory: Path, files=("meta.pt", ".metadata")) -> Path:
 # --- refusals, writing, progress: no run needed -----------------------------------------------------
 
 
+@needs_consolidate
 def test_missing_source_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"The checkpoint path '.*nowhere' does not exist"):
         consolidate(tmp_path / "nowhere", tmp_path / "out.ckpt")
 
 
+@needs_consolidate
 def test_file_source_is_refused(tmp_path):
     (tmp_path / "full.ckpt").write_bytes(b"x")
     with pytest.raises(ValueError, match="is a file, not a sharded checkpoint directory"):
         consolidate(tmp_path / "full.ckpt", tmp_path / "out.ckpt")
 
 
+@needs_consolidate
 @pytest.mark.parametrize("present,missing", [(("x.distcp", ".metadata"), "has no 'meta.pt'"),
                                              (("x.distcp", "meta.pt"), "has no shard index '.metadata'"),
                                              (("x.distcp",), "has neither 'meta.pt' nor the shard index '.metadata'"),
