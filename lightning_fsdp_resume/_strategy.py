@@ -72,7 +72,7 @@ def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
         return {}
     # Standard PyTorch format (parameter ids), as a non-FSDP run writes it. Native 2.1.4 uses
     # FSDP.rekey_optim_state_dict here, which fails for flat parameters (use_orig_params=False).
-    return _format.names_to_ids(state, _names_by_group(self, state))
+    return _format.names_to_ids(state, _names_by_group(self, [group["params"] for group in state["param_groups"]]))
 
 
 def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -146,17 +146,8 @@ def _load_sharded(self: Any, path: Path) -> Dict[str, Any]:
     compat.load_model_state_dict(self.model, _format.add_prefix(model_state, prefix), full=False, strict=_strict(self))
     if fitting:
         for index, optimizer in enumerate(self.optimizers):
-            state = compat.read_sharded_optimizer_state(
-                self.model,
-                optimizer,
-                model_state,
-                _format.optimizer_key(index),
-                path,
-                shards,
-                rename_in=lambda s: _format.strip_optimizer_prefix(s, prefix),
-                rename_out=lambda s: _format.add_optimizer_prefix(s, prefix),
-            )
-            compat.load_optimizer_state_dict(self.model, optimizer, state, full=False)
+            key = _format.optimizer_key(index)
+            compat.load_sharded_optimizer_state(self.model, optimizer, model_state, key, path, shards, prefix)
     return _verify.read_meta(path)
 
 
@@ -181,11 +172,9 @@ def _load_full(self: Any, path: Path) -> Dict[str, Any]:
     for optimizer, state in zip(self.optimizers, optimizer_states):
         if _format.is_id_keyed(state):
             # Written by a non-FSDP run or by a full FSDP save: map ids to this optimizer's parameters.
-            # Only the parameter names are needed: the sharded state has them, without gathering anything.
-            current = compat.optimizer_state_dict(self.model, optimizer, full=False, offload=False)
-            current = _format.strip_optimizer_prefix(current, prefix)
-            state = _format.ids_to_names(state, _names_by_group(self, current))
-        compat.load_optimizer_state_dict(self.model, optimizer, _format.add_optimizer_prefix(state, prefix), full=True)
+            names = [[_format.strip_name(name, prefix) for name in group] for group in compat.optimizer_parameter_names(self.model, optimizer)]
+            state = _format.ids_to_names(state, _names_by_group(self, names))
+        compat.load_full_optimizer_state(self.model, optimizer, state, prefix)
     return checkpoint
 
 
@@ -217,9 +206,9 @@ def _prefix(self: Any) -> str:
     return ""
 
 
-def _names_by_group(self: Any, name_keyed_state: Dict[str, Any]) -> List[List[str]]:
+def _names_by_group(self: Any, groups: List[List[str]]) -> List[List[str]]:
     """Parameter names per group, in the order a non-FSDP optimizer over the same parameters numbers them."""
-    groups = [list(group["params"]) for group in name_keyed_state["param_groups"]]
+    groups = [list(names) for names in groups]
     if self.kwargs.get("use_orig_params", False):
         return groups  # the optimizer holds the original parameters in the user's order
     prefix = _prefix(self)
