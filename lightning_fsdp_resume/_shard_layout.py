@@ -39,21 +39,31 @@ class ShardLayout(NamedTuple):
     pieces: Tuple[Piece, ...]
 
 
+class FlatShard(NamedTuple):
+    """One FSDP flat parameter on this rank, and the original parameters flattened into it."""
+
+    param: Any
+    names: Tuple[str, ...]
+    shapes: Tuple[Tuple[int, ...], ...]
+    pieces: Tuple[Piece, ...]
+    originals: Optional[List[Any]]  # use_orig_params=True: the original parameters, as ``names``
+    shared: bool  # some original parameter appears under a second name (tied weights)
+
+
 class Layout(NamedTuple):
     params: List[List[Any]]  # the optimizer's parameters, by group
     shards: Dict[int, ShardLayout]  # by id() of the parameter
     shapes: Dict[str, Tuple[int, ...]]  # every original parameter's full shape, by name
 
 
-def layout(model: Any, optimizer: Any) -> Optional[Layout]:
-    """Where this rank's shard of each of ``optimizer``'s parameters lies; None if FSDP's layout is not one
+def flat_shards(model: Any) -> Optional[List[FlatShard]]:
+    """Every flat parameter of ``model`` with what this rank holds of it; None if FSDP's layout is not one
     this module knows (the answer is the same on every rank, so all of them take the same path)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from ._format import clean_module_name
 
-    shards: Dict[int, ShardLayout] = {}
-    shapes: Dict[str, Tuple[int, ...]] = {}
+    found = []
     for unit_name, unit in model.named_modules():
         handle = getattr(unit, "_handle", None) if isinstance(unit, FSDP) else None
         if handle is None:
@@ -62,26 +72,87 @@ def layout(model: Any, optimizer: Any) -> Optional[Layout]:
         infos = getattr(flat, "_shard_param_infos", None)
         if not handle.uses_sharded_strategy or infos is None or len(infos) != len(flat._fqns):
             return None
-        unit_name = clean_module_name(unit_name)
-        names = tuple(f"{unit_name}.{fqn}" if unit_name else fqn for fqn in flat._fqns)
-        shapes.update((name, tuple(shape)) for name, shape in zip(names, flat._shapes))
-        pieces = [
+        names = tuple(clean_module_name(f"{unit_name}.{fqn}" if unit_name else fqn) for fqn in flat._fqns)
+        pieces = tuple(
             Piece(name, info.intra_param_start_idx, info.intra_param_end_idx + 1, info.offset_in_shard)
             for name, info in zip(names, infos)
             if info.in_shard and info.numel_in_shard
-        ]
+        )
+        originals = None
         if handle._use_orig_params:
-            if flat._params is None or len(flat._params) != len(names):
+            originals = flat._params
+            if originals is None or len(originals) != len(names):
                 return None
-            for param, name, info in zip(flat._params, names, infos):
-                piece = [p._replace(at=0) for p in pieces if p.name == name]
-                shards[id(param)] = ShardLayout(param.numel(), (name,), tuple(piece))
-        else:
-            shards[id(flat)] = ShardLayout(flat.numel(), names, tuple(pieces))
+        shapes = tuple(tuple(shape) for shape in flat._shapes)
+        found.append(FlatShard(flat, names, shapes, pieces, originals, bool(flat._shared_param_infos)))
+    return found or None
+
+
+def layout(model: Any, optimizer: Any) -> Optional[Layout]:
+    """Where this rank's shard of each of ``optimizer``'s parameters lies; None as for ``flat_shards``."""
+    flats = flat_shards(model)
+    if flats is None:
+        return None
+    shards: Dict[int, ShardLayout] = {}
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    for flat in flats:
+        shapes.update(zip(flat.names, flat.shapes))
+        if flat.originals is None:
+            shards[id(flat.param)] = ShardLayout(flat.param.numel(), flat.names, flat.pieces)
+            continue
+        for param, name in zip(flat.originals, flat.names):
+            own = tuple(piece._replace(at=0) for piece in flat.pieces if piece.name == name)
+            shards[id(param)] = ShardLayout(param.numel(), (name,), own)
     params = [list(group["params"]) for group in optimizer.param_groups]
-    if not shards or any(id(param) not in shards for group in params for param in group):
+    if any(id(param) not in shards for group in params for param in group):
         return None
     return Layout(params, shards, shapes)
+
+
+def parameter_shapes(model: Any) -> Optional[Dict[str, Tuple[int, ...]]]:
+    """The model's state-dict entries and their full shapes, when every entry is a parameter sharded by
+    FSDP (no buffers, no extra state, no tied or unsharded parameters); None otherwise."""
+    from torch import nn
+
+    flats = flat_shards(model)
+    if flats is None or any(flat.shared for flat in flats):
+        return None
+    for module in model.modules():
+        buffers = {name for name, buffer in module._buffers.items() if buffer is not None}
+        if buffers - set(module._non_persistent_buffers_set):
+            return None
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            return None
+    covered = {id(flat.param) for flat in flats} | {id(p) for flat in flats for p in flat.originals or ()}
+    if any(id(param) not in covered for param in model.parameters()):
+        return None
+    return {name: shape for flat in flats for name, shape in zip(flat.names, flat.shapes)}
+
+
+def copy_model_into_shards(model: Any, values: Dict[str, Any]) -> None:
+    """Copy this rank's part of each full tensor ``values[name]`` into the flat parameters' local shards."""
+    import torch
+
+    with torch.no_grad():
+        for flat in flat_shards(model):
+            for piece in flat.pieces:
+                if piece.name in values:
+                    copy_piece(values[piece.name], flat.param.data, piece)
+
+
+def read_model_into_shards(model: Any, path: Any, stored: Dict[str, str]) -> None:
+    """Read, for each original parameter name in ``stored``, this rank's part of the checkpoint entry
+    ``stored[name]`` straight into the flat parameters' local shards (a collective)."""
+    import torch
+
+    views = ViewsReader()
+    for flat in flat_shards(model):
+        shapes = dict(zip(flat.names, flat.shapes))
+        for piece in flat.pieces:
+            if piece.name in stored:
+                views.add_piece(stored[piece.name], shapes[piece.name], flat.param.data, piece)
+    with torch.no_grad():
+        views.read(path)
 
 
 def names_by_group(found: Layout) -> List[List[str]]:
@@ -139,8 +210,7 @@ class FullSource:
         return torch.zeros(numel, dtype=self.state[name][state_name].dtype)
 
     def fill(self, state_name: str, tensor: Any, piece: Piece) -> None:
-        flat = self.state[piece.name][state_name].reshape(-1)
-        tensor[piece.at : piece.at + piece.stop - piece.start].copy_(flat[piece.start : piece.stop])
+        copy_piece(self.state[piece.name][state_name], tensor, piece)
 
     def finish(self) -> None:
         pass
@@ -161,7 +231,7 @@ class CheckpointSource:
             if entry.startswith(self.prefix):
                 name, _, state_name = entry[len(self.prefix) :].rpartition(".")
                 self.names.setdefault(name, []).append(state_name)
-        self.views: Dict[str, List[Tuple[Tuple[int, ...], Any]]] = {}
+        self.views = ViewsReader()
 
     def readable(self) -> bool:
         """Whether every saved state is a tensor of its parameter's shape or a scalar tensor: what this reads.
@@ -192,7 +262,7 @@ class CheckpointSource:
 
         entry = self._entry(name, state_name)
         value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        self.views.setdefault(f"{self.prefix}{self.stored(name)}.{state_name}", []).append(((0,) * value.dim(), value))
+        self.views.add(f"{self.prefix}{self.stored(name)}.{state_name}", (0,) * value.dim(), value)
         return value
 
     def new_tensor(self, name: str, state_name: str, numel: int) -> Any:
@@ -201,17 +271,40 @@ class CheckpointSource:
         return torch.zeros(numel, dtype=self._entry(name, state_name).properties.dtype)
 
     def fill(self, state_name: str, tensor: Any, piece: Piece) -> None:
-        at = piece.at
-        views = self.views.setdefault(f"{self.prefix}{self.stored(piece.name)}.{state_name}", [])
-        for offsets, sizes in boxes(self.shapes[piece.name], piece.start, piece.stop):
-            numel = math.prod(sizes)
-            views.append((offsets, tensor[at : at + numel].view(sizes)))
-            at += numel
+        key = f"{self.prefix}{self.stored(piece.name)}.{state_name}"
+        self.views.add_piece(key, self.shapes[piece.name], tensor, piece)
 
     def finish(self) -> None:
+        self.views.read(self.path)
+
+
+def copy_piece(full: Any, tensor: Any, piece: Piece) -> None:
+    """Copy ``piece`` of the full tensor ``full`` into its place in the 1-D ``tensor``."""
+    tensor[piece.at : piece.at + piece.stop - piece.start].copy_(full.reshape(-1)[piece.start : piece.stop])
+
+
+class ViewsReader:
+    """Collects tensors to read from a sharded checkpoint, each a rectangle of a stored entry, and reads them
+    all in one ``torch.distributed.checkpoint`` load (a collective: every rank calls ``read``)."""
+
+    def __init__(self) -> None:
+        self.views: Dict[str, List[Tuple[Tuple[int, ...], Any]]] = {}
+
+    def add(self, key: str, offsets: Tuple[int, ...], tensor: Any) -> None:
+        self.views.setdefault(key, []).append((offsets, tensor))
+
+    def add_piece(self, key: str, shape: Tuple[int, ...], tensor: Any, piece: Piece) -> None:
+        """Read ``piece`` of the stored entry ``key`` (of ``shape``) into its place in the 1-D ``tensor``."""
+        at = piece.at
+        for offsets, sizes in boxes(shape, piece.start, piece.stop):
+            numel = math.prod(sizes)
+            self.add(key, offsets, tensor[at : at + numel].view(sizes))
+            at += numel
+
+    def read(self, path: Any) -> None:
         from torch.distributed.checkpoint import FileSystemReader, load
 
-        load({}, storage_reader=FileSystemReader(str(self.path)), planner=_into_views_planner(self.views))
+        load({}, storage_reader=FileSystemReader(str(path)), planner=_into_views_planner(self.views))
 
 
 def _into_views_planner(views: Dict[str, List[Tuple[Tuple[int, ...], Any]]]) -> Any:

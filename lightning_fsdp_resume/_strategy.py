@@ -138,12 +138,20 @@ def _load_sharded(self: Any, path: Path) -> Dict[str, Any]:
     shards = compat.read_shard_index(path)
     if fitting:
         _check_optimizer_count(self, _format.count_saved_optimizers(shards.state_dict_metadata), path)
-    model_state = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
-    keys = _loadable_keys(self, path, model_state, _verify.stored_model_shapes(shards), fitting)
-    container = {_format.MODEL_KEY: {key: value for key, value in model_state.items() if key in keys}}
-    compat.load_distributed(container, path)
-    model_state = container[_format.MODEL_KEY]
-    compat.load_model_state_dict(self.model, _format.add_prefix(model_state, prefix), full=False, strict=_strict(self))
+    stored = _verify.stored_model_shapes(shards)
+    shapes = compat.model_parameter_shapes(self.model)
+    if shapes is not None:
+        # Read each rank's elements straight into its flat parameters: no state-dict template.
+        keys = _loadable_keys(self, path, _format.strip_prefix(shapes, prefix), stored, fitting)
+        compat.read_model_into_shards(self.model, path, {prefix + key: f"{_format.MODEL_KEY}.{key}" for key in keys})
+        model_state: Dict[str, Any] = {}  # only the torch < 2.5 optimizer loader reads it
+    else:
+        model_state = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
+        keys = _loadable_keys(self, path, _verify.tensor_shapes(model_state), stored, fitting)
+        container = {_format.MODEL_KEY: {key: value for key, value in model_state.items() if key in keys}}
+        compat.load_distributed(container, path)
+        model_state = container[_format.MODEL_KEY]
+        compat.load_model_state_dict(self.model, _format.add_prefix(model_state, prefix), full=False, strict=_strict(self))
     if fitting:
         for index, optimizer in enumerate(self.optimizers):
             key = _format.optimizer_key(index)
@@ -159,10 +167,17 @@ def _load_full(self: Any, path: Path) -> Dict[str, Any]:
     if fitting:
         _check_optimizer_count(self, len(optimizer_states or []), path)
     state_dict = checkpoint.pop("state_dict")
-    sharded = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
-    keys = _loadable_keys(self, path, sharded, _verify.tensor_shapes(state_dict), fitting)
-    state_dict = {key: value for key, value in state_dict.items() if key in keys}
-    compat.load_model_state_dict(self.model, _format.add_prefix(state_dict, prefix), full=True, strict=_strict(self))
+    shapes = compat.model_parameter_shapes(self.model)
+    direct = shapes is not None  # copy each rank's elements into its flat parameters, gathering nothing
+    if not direct:
+        # Only the global shapes are wanted: the sharded template goes at once.
+        shapes = _verify.tensor_shapes(compat.model_state_dict(self.model, full=False, offload=False))
+    keys = _loadable_keys(self, path, _format.strip_prefix(shapes, prefix), _verify.tensor_shapes(state_dict), fitting)
+    state_dict = _format.add_prefix({key: value for key, value in state_dict.items() if key in keys}, prefix)
+    if direct:
+        compat.copy_model_into_shards(self.model, state_dict)
+    else:
+        compat.load_model_state_dict(self.model, state_dict, full=True, strict=_strict(self))
     if optimizer_states is None or not fitting:
         # validate/test/predict: weights are all there is to load.
         return checkpoint
@@ -233,8 +248,7 @@ def _strict(self: Any) -> bool:
     return bool(getattr(self.lightning_module, "strict_loading", True))
 
 
-def _loadable_keys(self: Any, path: Path, model_state: Dict[str, Any], stored: Dict[str, Any], fitting: bool) -> Set[str]:
-    expected = _verify.tensor_shapes(model_state)
+def _loadable_keys(self: Any, path: Path, expected: Dict[str, Any], stored: Dict[str, Any], fitting: bool) -> Set[str]:
     keys = _verify.loadable_keys(path, expected, stored, _strict(self))
     missing = sorted(set(expected) - keys)
     if fitting and missing and self.optimizers:

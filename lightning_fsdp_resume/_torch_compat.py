@@ -120,6 +120,26 @@ def load_optimizer_state_dict(model: Any, optimizer: Any, state: Dict[str, Any],
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state))
 
 
+def model_parameter_shapes(model: Any) -> Any:
+    """torch >= 2.5: the model's state-dict entries and full shapes when all of them are parameters FSDP
+    shards, which ``read_model_into_shards``/``copy_model_into_shards`` then load; else None."""
+    return _shard_layout.parameter_shapes(model) if _new_api() else None
+
+
+def read_model_into_shards(model: Any, path: Path, stored: Dict[str, str]) -> None:
+    """Read checkpoint entry ``stored[name]`` into each parameter ``name``'s local shard (a collective).
+
+    get_model_state_dict's template gathers every FSDP unit to re-chunk it, and set_model_state_dict
+    gathers them again to copy it in; this reads each rank's elements into its flat parameters.
+    """
+    _shard_layout.read_model_into_shards(model, path, stored)
+
+
+def copy_model_into_shards(model: Any, values: Dict[str, Any]) -> None:
+    """Copy this rank's part of each full tensor ``values[name]`` into parameter ``name``'s local shard."""
+    _shard_layout.copy_model_into_shards(model, values)
+
+
 def optimizer_parameter_names(model: Any, optimizer: Any) -> list:
     """Each param group's parameter names; for a flat parameter, those of the original parameters in it."""
     found = _shard_layout.layout(model, optimizer) if _new_api() else None
