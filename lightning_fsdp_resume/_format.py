@@ -35,7 +35,7 @@ def strip_prefix(state: Dict[str, Any], prefix: str) -> Dict[str, Any]:
     """Drop ``prefix`` from every key that has it (the 2.0.x wrapper's ``_forward_module.``)."""
     if not prefix:
         return state
-    return {_strip(key, prefix): value for key, value in state.items()}
+    return {strip_name(key, prefix): value for key, value in state.items()}
 
 
 def add_prefix(state: Dict[str, Any], prefix: str) -> Dict[str, Any]:
@@ -44,7 +44,7 @@ def add_prefix(state: Dict[str, Any], prefix: str) -> Dict[str, Any]:
     return {prefix + key: value for key, value in state.items()}
 
 
-def _strip(name: Any, prefix: str) -> Any:
+def strip_name(name: Any, prefix: str) -> Any:
     return name[len(prefix) :] if isinstance(name, str) and name.startswith(prefix) else name
 
 
@@ -62,7 +62,7 @@ def rename_optimizer_params(optimizer_state: Dict[str, Any], rename) -> Dict[str
 def strip_optimizer_prefix(optimizer_state: Dict[str, Any], prefix: str) -> Dict[str, Any]:
     if not prefix or not optimizer_state:
         return optimizer_state
-    return rename_optimizer_params(optimizer_state, lambda name: _strip(name, prefix))
+    return rename_optimizer_params(optimizer_state, lambda name: strip_name(name, prefix))
 
 
 def add_optimizer_prefix(optimizer_state: Dict[str, Any], prefix: str) -> Dict[str, Any]:

@@ -72,7 +72,7 @@ def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
         return {}
     # Standard PyTorch format (parameter ids), as a non-FSDP run writes it. Native 2.1.4 uses
     # FSDP.rekey_optim_state_dict here, which fails for flat parameters (use_orig_params=False).
-    return _format.names_to_ids(state, _names_by_group(self, state))
+    return _format.names_to_ids(state, _names_by_group(self, [group["params"] for group in state["param_groups"]]))
 
 
 def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -138,25 +138,24 @@ def _load_sharded(self: Any, path: Path) -> Dict[str, Any]:
     shards = compat.read_shard_index(path)
     if fitting:
         _check_optimizer_count(self, _format.count_saved_optimizers(shards.state_dict_metadata), path)
-    model_state = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
-    keys = _loadable_keys(self, path, model_state, _verify.stored_model_shapes(shards), fitting)
-    container = {_format.MODEL_KEY: {key: value for key, value in model_state.items() if key in keys}}
-    compat.load_distributed(container, path)
-    model_state = container[_format.MODEL_KEY]
-    compat.load_model_state_dict(self.model, _format.add_prefix(model_state, prefix), full=False, strict=_strict(self))
+    stored = _verify.stored_model_shapes(shards)
+    shapes = compat.model_parameter_shapes(self.model)
+    if shapes is not None:
+        # Read each rank's elements straight into its flat parameters: no state-dict template.
+        keys = _loadable_keys(self, path, _format.strip_prefix(shapes, prefix), stored, fitting)
+        compat.read_model_into_shards(self.model, path, {prefix + key: f"{_format.MODEL_KEY}.{key}" for key in keys})
+        model_state: Dict[str, Any] = {}  # only the torch < 2.5 optimizer loader reads it
+    else:
+        model_state = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
+        keys = _loadable_keys(self, path, _verify.tensor_shapes(model_state), stored, fitting)
+        container = {_format.MODEL_KEY: {key: value for key, value in model_state.items() if key in keys}}
+        compat.load_distributed(container, path)
+        model_state = container[_format.MODEL_KEY]
+        compat.load_model_state_dict(self.model, _format.add_prefix(model_state, prefix), full=False, strict=_strict(self))
     if fitting:
         for index, optimizer in enumerate(self.optimizers):
-            state = compat.read_sharded_optimizer_state(
-                self.model,
-                optimizer,
-                model_state,
-                _format.optimizer_key(index),
-                path,
-                shards,
-                rename_in=lambda s: _format.strip_optimizer_prefix(s, prefix),
-                rename_out=lambda s: _format.add_optimizer_prefix(s, prefix),
-            )
-            compat.load_optimizer_state_dict(self.model, optimizer, state, full=False)
+            key = _format.optimizer_key(index)
+            compat.load_sharded_optimizer_state(self.model, optimizer, model_state, key, path, shards, prefix)
     return _verify.read_meta(path)
 
 
@@ -168,10 +167,17 @@ def _load_full(self: Any, path: Path) -> Dict[str, Any]:
     if fitting:
         _check_optimizer_count(self, len(optimizer_states or []), path)
     state_dict = checkpoint.pop("state_dict")
-    sharded = _format.strip_prefix(compat.model_state_dict(self.model, full=False, offload=False), prefix)
-    keys = _loadable_keys(self, path, sharded, _verify.tensor_shapes(state_dict), fitting)
-    state_dict = {key: value for key, value in state_dict.items() if key in keys}
-    compat.load_model_state_dict(self.model, _format.add_prefix(state_dict, prefix), full=True, strict=_strict(self))
+    shapes = compat.model_parameter_shapes(self.model)
+    direct = shapes is not None  # copy each rank's elements into its flat parameters, gathering nothing
+    if not direct:
+        # Only the global shapes are wanted: the sharded template goes at once.
+        shapes = _verify.tensor_shapes(compat.model_state_dict(self.model, full=False, offload=False))
+    keys = _loadable_keys(self, path, _format.strip_prefix(shapes, prefix), _verify.tensor_shapes(state_dict), fitting)
+    state_dict = _format.add_prefix({key: value for key, value in state_dict.items() if key in keys}, prefix)
+    if direct:
+        compat.copy_model_into_shards(self.model, state_dict)
+    else:
+        compat.load_model_state_dict(self.model, state_dict, full=True, strict=_strict(self))
     if optimizer_states is None or not fitting:
         # validate/test/predict: weights are all there is to load.
         return checkpoint
@@ -181,11 +187,9 @@ def _load_full(self: Any, path: Path) -> Dict[str, Any]:
     for optimizer, state in zip(self.optimizers, optimizer_states):
         if _format.is_id_keyed(state):
             # Written by a non-FSDP run or by a full FSDP save: map ids to this optimizer's parameters.
-            # Only the parameter names are needed: the sharded state has them, without gathering anything.
-            current = compat.optimizer_state_dict(self.model, optimizer, full=False, offload=False)
-            current = _format.strip_optimizer_prefix(current, prefix)
-            state = _format.ids_to_names(state, _names_by_group(self, current))
-        compat.load_optimizer_state_dict(self.model, optimizer, _format.add_optimizer_prefix(state, prefix), full=True)
+            names = [[_format.strip_name(name, prefix) for name in group] for group in compat.optimizer_parameter_names(self.model, optimizer)]
+            state = _format.ids_to_names(state, _names_by_group(self, names))
+        compat.load_full_optimizer_state(self.model, optimizer, state, prefix)
     return checkpoint
 
 
@@ -217,9 +221,9 @@ def _prefix(self: Any) -> str:
     return ""
 
 
-def _names_by_group(self: Any, name_keyed_state: Dict[str, Any]) -> List[List[str]]:
+def _names_by_group(self: Any, groups: List[List[str]]) -> List[List[str]]:
     """Parameter names per group, in the order a non-FSDP optimizer over the same parameters numbers them."""
-    groups = [list(group["params"]) for group in name_keyed_state["param_groups"]]
+    groups = [list(names) for names in groups]
     if self.kwargs.get("use_orig_params", False):
         return groups  # the optimizer holds the original parameters in the user's order
     prefix = _prefix(self)
@@ -244,8 +248,7 @@ def _strict(self: Any) -> bool:
     return bool(getattr(self.lightning_module, "strict_loading", True))
 
 
-def _loadable_keys(self: Any, path: Path, model_state: Dict[str, Any], stored: Dict[str, Any], fitting: bool) -> Set[str]:
-    expected = _verify.tensor_shapes(model_state)
+def _loadable_keys(self: Any, path: Path, expected: Dict[str, Any], stored: Dict[str, Any], fitting: bool) -> Set[str]:
     keys = _verify.loadable_keys(path, expected, stored, _strict(self))
     missing = sorted(set(expected) - keys)
     if fitting and missing and self.optimizers:

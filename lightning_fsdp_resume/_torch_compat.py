@@ -3,10 +3,14 @@
 Each function does one thing the same way on every supported torch, choosing the API that release
 expects. torch is imported inside the functions: importing the shim must not import torch.
 """
+import functools
 import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
+
+from . import _format
+from . import _shard_layout
 
 # torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict, but
 # its version fails on a rank that holds no shard of a parameter ("Only single local shard is
@@ -116,35 +120,88 @@ def load_optimizer_state_dict(model: Any, optimizer: Any, state: Dict[str, Any],
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state))
 
 
-def read_sharded_optimizer_state(
-    model: Any, optimizer: Any, model_state: Dict[str, Any], key: str, path: Path, shards: Any, rename_in, rename_out
-) -> Dict[str, Any]:
-    """Read optimizer ``key`` of a sharded checkpoint into this rank's shards, keyed by parameter name.
+def model_parameter_shapes(model: Any) -> Any:
+    """torch >= 2.5: the model's state-dict entries and full shapes when all of them are parameters FSDP
+    shards, which ``read_model_into_shards``/``copy_model_into_shards`` then load; else None."""
+    return _shard_layout.parameter_shapes(model) if _new_api() else None
+
+
+def read_model_into_shards(model: Any, path: Path, stored: Dict[str, str]) -> None:
+    """Read checkpoint entry ``stored[name]`` into each parameter ``name``'s local shard (a collective).
+
+    get_model_state_dict's template gathers every FSDP unit to re-chunk it, and set_model_state_dict
+    gathers them again to copy it in; this reads each rank's elements into its flat parameters.
+    """
+    _shard_layout.read_model_into_shards(model, path, stored)
+
+
+def copy_model_into_shards(model: Any, values: Dict[str, Any]) -> None:
+    """Copy this rank's part of each full tensor ``values[name]`` into parameter ``name``'s local shard."""
+    _shard_layout.copy_model_into_shards(model, values)
+
+
+def optimizer_parameter_names(model: Any, optimizer: Any) -> list:
+    """Each param group's parameter names; for a flat parameter, those of the original parameters in it."""
+    found = _shard_layout.layout(model, optimizer) if _new_api() else None
+    if found is not None:
+        return _shard_layout.names_by_group(found)
+    state = optimizer_state_dict(model, optimizer, full=False, offload=False)
+    return [list(group["params"]) for group in state["param_groups"]]
+
+
+def load_full_optimizer_state(model: Any, optimizer: Any, state: Dict[str, Any], prefix: str) -> None:
+    """Load a full, name-keyed optimizer state whose names lack the model's ``prefix``; every rank passes it."""
+    found = _shard_layout.layout(model, optimizer) if _new_api() else None
+    if found is None:
+        load_optimizer_state_dict(model, optimizer, _format.add_optimizer_prefix(state, prefix), full=True)
+        return
+    # torch >= 2.5: set_optimizer_state_dict converts the whole state to FSDP's layout first (twice the
+    # memory of native 2.1.4, which uses FSDP.optim_state_dict_to_load); this slices out what the rank holds.
+    by_name = {prefix + name: value for name, value in state["state"].items()}
+    source = _shard_layout.FullSource(by_name, found.shapes)
+    _shard_layout.load_into_shards(optimizer, found, source, state["param_groups"])
+
+
+def load_sharded_optimizer_state(
+    model: Any, optimizer: Any, model_state: Dict[str, Any], key: str, path: Path, shards: Any, prefix: str
+) -> None:
+    """Load optimizer ``key`` of a sharded checkpoint into this rank's shards.
 
     ``model_state`` is the model's sharded state as stored (names without the wrapper prefix), ``shards``
-    the checkpoint's index (``read_shard_index``);
-    ``rename_in``/``rename_out`` convert an optimizer state between stored names and the model's names.
+    the checkpoint's index (``read_shard_index``); ``prefix`` is what the model's parameter names have
+    before the names the checkpoint stores.
     """
     from torch.distributed.checkpoint import FileSystemReader
 
     if _new_api():
+        found = _shard_layout.layout(model, optimizer)
+        if found is not None:
+            # get_optimizer_state_dict's template (below) initialises the optimizer state and re-chunks it
+            # per parameter: about 2.6 times the shard. This reads into the state's final layout instead.
+            stored = functools.partial(_format.strip_name, prefix=prefix)
+            source = _shard_layout.CheckpointSource(path, key, shards, found.shapes, stored)
+            if source.readable():
+                _shard_layout.load_into_shards(optimizer, found, source, _saved_param_groups(path, key, shards))
+                return
         # The new API builds a complete template (it initialises empty optimizer state); load fills it in.
         # Only the tensors go through dcp.load: the param groups' hyperparameters are read as saved and
         # laid over the optimizer's current ones. Loading them into the template fails when a newer torch
         # added a hyperparameter (torch 2.13's Adam ``decoupled_weight_decay``) and when the world size
         # changed (the template then flattens the groups differently from the saved keys).
-        template = rename_in(optimizer_state_dict(model, optimizer, full=False, offload=False))
+        template = _format.strip_optimizer_prefix(optimizer_state_dict(model, optimizer, full=False, offload=False), prefix)
         container = {key: {"state": template["state"]}}
         load_distributed(container, path)
         for group, saved in zip(template["param_groups"], _saved_param_groups(path, key, shards)):
             group.update(saved)
-        return rename_out({**container[key], "param_groups": template["param_groups"]})
-    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        state = {**container[key], "param_groups": template["param_groups"]}
+    else:
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-    loaded = load_sharded_optimizer_state_dict(
-        model_state_dict=model_state, optimizer_key=key, storage_reader=FileSystemReader(str(path))
-    )
-    return rename_out(loaded[key])
+        loaded = load_sharded_optimizer_state_dict(
+            model_state_dict=model_state, optimizer_key=key, storage_reader=FileSystemReader(str(path))
+        )
+        state = loaded[key]
+    load_optimizer_state_dict(model, optimizer, _format.add_optimizer_prefix(state, prefix), full=False)
 
 
 def _saved_param_groups(path: Path, key: str, index: Any) -> list:
