@@ -96,6 +96,15 @@ class ExtraNet(Net):
         return self.extra(super().forward(x))
 
 
+class BufferedNet(Net):
+    """Net with batch normalisation in the body: its running statistics are buffers, which FSDP keeps
+    whole on every rank and which no optimizer touches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16))
+
+
 class TwoOptimizerNet(Net):
     """Two optimizers (manual optimization): Adam for the body, SGD with momentum for the head."""
 
@@ -130,8 +139,9 @@ class Recorder(Callback):
     def dump(self, trainer, name: str) -> None:
         rank = trainer.global_rank
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in trainer.model.named_buffers()}
         optims = [o.state_dict() for o in trainer.strategy.optimizers]
-        torch.save({"params": params, "optim": optims}, self.out / f"{name}_rank{rank}.pt")
+        torch.save({"params": params, "buffers": buffers, "optim": optims}, self.out / f"{name}_rank{rank}.pt")
         full = full_weights(trainer)
         full_optims = None  # left out where torch cannot gather it on the CPU (torch 2.2, use_orig_params)
         use_orig_params = getattr(trainer.strategy, "kwargs", {}).get("use_orig_params", False)
@@ -275,7 +285,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=-1, help="-1: keep every epoch; else monitor step, keep k, save last")
     parser.add_argument("--last-only", action="store_true", help="only last.ckpt, overwritten every epoch")
     parser.add_argument("--weights-only", action="store_true", help="ModelCheckpoint(save_weights_only=True)")
-    parser.add_argument("--net", choices=["net", "wide", "extra"], default="net")
+    parser.add_argument("--net", choices=["net", "wide", "extra", "buffered"], default="net")
     parser.add_argument("--strict", type=int, default=1, help="LightningModule.strict_loading")
     parser.add_argument("--other-ranks-ckpt-path", default=None, help="what ranks > 0 pass as ckpt_path")
     parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see kill_during_saves")
@@ -329,7 +339,7 @@ def main() -> None:
     if args.optimizers == 2:
         model = TwoOptimizerNet()
     else:
-        model = {"net": Net, "wide": WideNet, "extra": ExtraNet}[args.net]()
+        model = {"net": Net, "wide": WideNet, "extra": ExtraNet, "buffered": BufferedNet}[args.net]()
     model.strict_loading = bool(args.strict)
     ckpt_path = args.ckpt_path
     if args.other_ranks_ckpt_path is not None and int(os.environ.get("RANK", "0")) > 0:

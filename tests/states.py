@@ -41,7 +41,8 @@ def assert_identical(expected: Any, actual: Any, what: str) -> None:
 def without_lightning_wrapper(dump: dict) -> dict:
     """A rank's dump with Lightning 2.0.x's wrapper left out of parameter names (2.1+ has none), so
     shards recorded under the two compare by name."""
-    return {**dump, "params": {name.replace("_forward_module.", ""): p for name, p in dump["params"].items()}}
+    return {**dump, **{kind: {name.replace("_forward_module.", ""): t for name, t in dump.get(kind, {}).items()}
+                       for kind in ("params", "buffers")}}
 
 
 def assert_ranks_identical(

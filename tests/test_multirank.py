@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ranks import EPOCHS, MID, config, worker
-from states import assert_identical, assert_ranks_identical, info, load
+from states import assert_identical, assert_ranks_identical, differences, info, load
 
 pytestmark = pytest.mark.multirank
 
@@ -60,6 +60,34 @@ def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params):
         pytest.skip(f"native Lightning {VERSION} cannot save a full checkpoint with use_orig_params=False")
     _resume_matches_uninterrupted(reference, tmp_path, ("full", use_orig_params))
     assert (reference("full", use_orig_params) / "ckpt" / MID).is_file()
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_model_with_buffers_resumes_bit_exact(tmp_path, state_dict_type):
+    """BatchNorm's running statistics are buffers, which FSDP does not shard and each rank updates from its
+    own batches. A checkpoint holds one copy, as native Lightning's does: every rank gets it back, and
+    weights and optimizer states are bit-exact. (torch >= 2.5 loads such a model through torch's
+    state-dict API.)"""
+    use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
+    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
+    if not supported:
+        pytest.skip(why)
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    worker(ref, *config(ref, state_dict_type, use_orig_params), "--max-epochs", EPOCHS, "--net", "buffered")
+    worker(resumed, *config(resumed, state_dict_type, use_orig_params), "--max-epochs", EPOCHS, "--net", "buffered",
+           "--ckpt-path", ref / "ckpt" / MID)
+    saved = [load(ref / "out" / f"epoch1_rank{rank}.pt")["buffers"] for rank in (0, 1)]
+    assert any(name.endswith("running_mean") and stat.abs().sum() > 0 for name, stat in saved[0].items()), saved[0]
+    assert differences(saved[0], saved[1]), "the ranks' running statistics should differ: each sees its own batches"
+    restored = [load(resumed / "out" / f"start_rank{rank}.pt")["buffers"] for rank in (0, 1)]
+    assert_identical(restored[0], restored[1], "restored buffers of rank 0 and rank 1")
+    assert not differences(saved[0], restored[0]) or not differences(saved[1], restored[0]), "restored buffers are no rank's"
+    for name in ("epoch1", "final"):
+        for rank in (0, 1):
+            expected = load(ref / "out" / f"{name}_rank{rank}.pt")
+            actual = load(resumed / "out" / f"{'start' if name == 'epoch1' else name}_rank{rank}.pt")
+            assert_identical(expected["params"], actual["params"], f"rank {rank} {name}: weights")
+            assert_identical(expected["optim"], actual["optim"], f"rank {rank} {name}: optimizer state")
 
 
 @pytest.mark.parametrize("state_dict_type,use_orig_params", [("sharded", 0), ("full", 1)])
