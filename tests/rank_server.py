@@ -5,7 +5,8 @@ launch needs on a 2-core machine, and the suite launches the worker dozens of ti
 of the matrix. This server pays the import once per pytest session. Every launch still gets new
 processes: forks of a parent that has imported but never trained, with torchrun's environment
 variables, meeting over gloo on the loopback interface. As under torchrun, the first rank to fail takes
-the others down with it, and the output names each rank's exit code (``-9`` for SIGKILL).
+the others down with it. The output names the exit code of each rank that ended by itself (``-9`` for
+SIGKILL) and says which ones the server stopped.
 
 ``ranks.torchrun`` talks to it in JSON lines: a request ``{"args", "nproc", "logs", "timeout"}`` on
 stdin, a reply ``{"codes", "output"}`` on stdout. ``LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun``
@@ -79,35 +80,43 @@ def launch(worker, args, nproc: int, logs: str, timeout: float) -> dict:
             _rank(worker, args, rank, nproc, port, log)
         children[pid] = rank
     codes = {}
-    notes = []
+    stopped = {}  # rank: why the server killed it (it did not fail by itself)
     deadline = time.monotonic() + timeout
     while len(codes) < len(children):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if time.monotonic() > deadline:
-                notes.append(f"timed out after {timeout} s: killing every rank")
-                _kill(p for p, r in children.items() if r not in codes)
+                _stop(children, codes, stopped, f"killed after the {timeout} s timeout")
                 deadline = float("inf")
             time.sleep(POLL_S)
             continue
         rank = children[pid]
         codes[rank] = os.waitstatus_to_exitcode(status)
-        if codes[rank] != 0 and len(codes) < len(children):
-            notes.append(f"rank {rank} failed: stopping the other ranks")
-            _kill(p for p, r in children.items() if r not in codes)
+        if codes[rank] != 0 and not stopped:
+            _stop(children, codes, stopped, f"killed by the rank server after rank {rank} failed")
     output = []
     for rank in range(len(children)):
         with open(os.path.join(logs, f"rank{rank}.log"), errors="replace") as handle:
             output.append(f"----- rank {rank} -----\n{handle.read()}")
     for rank in range(len(children)):
         code = codes[rank]
-        named = f" ({signal.Signals(-code).name})" if code < 0 else ""
-        output.append(f"rank {rank} exitcode: {code}{named}")
-    return {"codes": [codes[r] for r in range(len(children))], "output": "\n".join(output + notes) + "\n"}
+        if rank in stopped:  # not reported as an exit code: tests look for the codes the ranks died of
+            output.append(f"rank {rank}: {stopped[rank]}")
+        else:
+            output.append(f"rank {rank} exitcode: {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else ""))
+    return {"codes": [codes[r] for r in range(len(children))], "output": "\n".join(output) + "\n"}
 
 
-def _kill(pids) -> None:
-    for pid in pids:
+def _stop(children, codes, stopped, why: str) -> None:
+    """SIGKILL every rank still running, noting why; ranks that have already ended keep their own code."""
+    for pid, rank in children.items():
+        if rank in codes:
+            continue
+        ended, status = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            codes[rank] = os.waitstatus_to_exitcode(status)
+            continue
+        stopped[rank] = why
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
