@@ -23,7 +23,8 @@ import traceback
 POLL_S = 0.02
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -69,7 +70,7 @@ def _rank(worker, args, rank: int, nproc: int, port: int, log: str) -> None:
 
 def launch(worker, args, nproc: int, logs: str, timeout: float) -> dict:
     """``nproc`` ranks of the worker; ``nproc=0``: one plain process, not launched as a rank."""
-    port = _free_port()
+    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     children = {}

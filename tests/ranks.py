@@ -122,11 +122,9 @@ def worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = Fa
 
 def nodes(tmp: Path, *args, count: int = 2, env=None) -> str:
     """The Trainer worker as ``count`` torchrun "nodes" of one rank each, meeting on the loopback interface."""
-    import socket
+    from rank_server import free_port
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     base = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", "--nproc-per-node=1",
             "--master-addr=127.0.0.1", f"--master-port={port}"]
     launches = [
