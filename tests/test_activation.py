@@ -22,18 +22,6 @@ PATCHABLE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versi
 NATIVE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.NATIVE]
 
 
-def python(code: str, env: dict = None) -> str:
-    """Run ``code`` in a fresh interpreter; its stdout, or a test failure with its stderr."""
-    import os
-
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-        env={**os.environ, **(env or {})},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
-
-
 def strategy_class(package: str):
     import importlib
 
@@ -44,16 +32,6 @@ def strategy_class(package: str):
 def restore_patch():
     yield
     shim.patch()
-
-
-def test_import_imports_neither_torch_nor_lightning():
-    out = python(
-        """
-        import sys, lightning_fsdp_resume
-        print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')))
-        """
-    )
-    assert out.strip() == "[]"
 
 
 ORDERS = ["shim first", "lightning first"]
@@ -84,8 +62,14 @@ _DISABLED_PROBE = f"""
         print(sorted({{s.mode for s in shim.status().values()}}))
         """
 
+_BARE_PROBE = """
+        import sys, lightning_fsdp_resume
+        print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')))
+        """
+
 # Fresh interpreters, each mostly an import of Lightning: started together, read by the tests below.
 PROBES = {
+    ("bare",): (_BARE_PROBE, {}),
     **{("order", package, order): (_import_order_probe(package, order), {}) for package in INSTALLED for order in ORDERS},
     **{("untouched", package): (_untouched_probe(package), {}) for package in NATIVE},
     ("disabled",): (_DISABLED_PROBE, {shim.DISABLE_ENV: "1"}),
@@ -110,6 +94,10 @@ def probe():
         return finished[key][0]
 
     return result
+
+
+def test_import_imports_neither_torch_nor_lightning(probe):
+    assert probe("bare").strip() == "[]"
 
 
 @pytest.mark.parametrize("order", ORDERS)
