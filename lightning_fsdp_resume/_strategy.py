@@ -5,10 +5,11 @@ table in ``_patches`` puts these on the class. Works for ``lightning.pytorch`` a
 alike by touching Lightning only through the strategy object.
 """
 import functools
+import inspect
 import secrets
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Literal, Optional, Set
 
 from . import _atomic
 from . import _format
@@ -16,22 +17,36 @@ from . import _verify
 from . import _torch_compat as compat
 
 _STATE_DICT_TYPES = ("full", "sharded")
+StateDictType = Literal["full", "sharded"]
 
 
 def wrap_init(original_init: Callable) -> Callable:
-    """``FSDPStrategy(..., state_dict_type="full" | "sharded")``; Lightning 2.0.x would pass it to FSDP."""
+    """``FSDPStrategy(..., state_dict_type="full" | "sharded")``; Lightning 2.0.x would pass it to FSDP.
+
+    The wrapper's signature is the original's plus ``state_dict_type``: LightningCLI (jsonargparse),
+    ``inspect.signature`` and IDEs read it to learn what the class accepts.
+    """
 
     @functools.wraps(original_init)
-    def __init__(self: Any, *args: Any, state_dict_type: str = "full", **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, state_dict_type: StateDictType = "full", **kwargs: Any) -> None:
         if state_dict_type == "sharded" and not compat.supports_sharded_checkpoints():
             raise NotImplementedError(
-                "Saving checkpoints with `FSDPStrategy(state_dict_type='sharded')` needs PyTorch 2.0 or newer."
+                "Saving checkpoints with `FSDPStrategy(state_dict_type='sharded')` is not supported in PyTorch < 2.0."
                 " Please upgrade `torch`."
             )
         original_init(self, *args, **kwargs)
         self._state_dict_type = state_dict_type
 
+    __init__.__signature__ = _with_state_dict_type(inspect.signature(original_init))  # type: ignore[attr-defined]
     return __init__
+
+
+def _with_state_dict_type(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` with ``state_dict_type`` as a keyword parameter, before ``**kwargs`` if it has them."""
+    added = inspect.Parameter("state_dict_type", inspect.Parameter.KEYWORD_ONLY, default="full", annotation=StateDictType)
+    parameters = [p for p in signature.parameters.values() if p.name != "state_dict_type"]
+    at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+    return signature.replace(parameters=[*parameters[:at], added, *parameters[at:]])
 
 
 def restore_checkpoint_after_setup(self: Any) -> bool:
@@ -88,7 +103,7 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
         )
     full = _is_full(self)
     # Every rank writes where rank 0 says, into the same partial directory.
-    target, token = self.broadcast((str(filepath), secrets.token_hex(8)))
+    target, token = _broadcast(self, (str(filepath), secrets.token_hex(8)))
     path = Path(target)
     if path.is_dir() and not _format.is_replaceable_directory(path):
         raise IsADirectoryError(
@@ -109,10 +124,10 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
         compat.save_distributed(stored, partial)
         if self.global_rank == 0:
             compat.save_file(checkpoint, partial / _format.METADATA_FILENAME)
-        self.barrier()  # every rank's shards are on disk
+        _barrier(self)  # every rank's shards are on disk
         if self.global_rank == 0:
             _publish(partial, path)
-    self.barrier()
+    _barrier(self)
 
 
 def _publish(partial: Path, path: Path) -> None:
@@ -124,7 +139,7 @@ def _publish(partial: Path, path: Path) -> None:
 
 def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
     # Every rank loads what rank 0 names, so all shards come from one checkpoint.
-    path = Path(self.broadcast(str(checkpoint_path)))
+    path = Path(_broadcast(self, str(checkpoint_path)))
     # Rank 0 checks the files; every rank raises its verdict, so none waits in a collective.
     kind = _decided_on_rank_zero(self, _verify.checkpoint_kind, path)
     if kind == _verify.SHARDED:
@@ -267,10 +282,22 @@ def _decided_on_rank_zero(self: Any, check: Callable[..., Any], *args: Any) -> A
             outcome = (check(*args), None)
         except Exception as error:  # whatever it is, the other ranks must hear of it rather than wait
             outcome = (None, error)
-    result, error = self.broadcast(outcome)
+    result, error = _broadcast(self, outcome)
     if error is not None:
         raise error
     return result
+
+
+def _broadcast(self: Any, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank. Lightning 2.0.x's ``broadcast`` needs a process group; native 2.1's,
+    like this, returns ``obj`` in a process without one (a notebook, a unit test)."""
+    return self.broadcast(obj) if compat.distributed() else obj
+
+
+def _barrier(self: Any) -> None:
+    """Lightning 2.0.x's ``barrier`` fails without a process group (its check tests a function, not its result)."""
+    if compat.distributed():
+        self.barrier()
 
 
 def _warn_rank_zero(self: Any, message: str) -> None:
