@@ -75,13 +75,20 @@ def _legacy_context(model: Any, full: bool, offload: bool, rank0_only: bool) -> 
 
 
 def model_state_dict(model: Any, full: bool, offload: bool) -> Dict[str, Any]:
-    """Full: the gathered weights (on rank 0 at least; on every rank when not offloading). Sharded: this rank's shards."""
-    if _new_api():
+    """Full: the gathered weights on rank 0 and ``{}`` on the other ranks, as native Lightning. Sharded: this rank's shards."""
+    if _new_api() and not _rank0_only_needs_legacy(full, offload):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(model, options=_options(full, offload))
     with _legacy_context(model, full, offload, rank0_only=True):
         return model.state_dict()
+
+
+def _rank0_only_needs_legacy(full: bool, offload: bool) -> bool:
+    """torch.distributed.checkpoint.state_dict keeps a full state on rank 0 alone only with cpu_offload=True,
+    which crashes on CPU parameters: without offloading, every rank would gather the whole model and
+    optimizer. FSDP.state_dict_type (deprecated from torch 2.4, still there) takes rank0_only by itself."""
+    return full and not offload
 
 
 def load_model_state_dict(model: Any, state_dict: Dict[str, Any], full: bool, strict: bool = True) -> None:
@@ -96,8 +103,8 @@ def load_model_state_dict(model: Any, state_dict: Dict[str, Any], full: bool, st
 
 
 def optimizer_state_dict(model: Any, optimizer: Any, full: bool, offload: bool) -> Dict[str, Any]:
-    """Keyed by parameter name. Full: complete on rank 0, possibly empty elsewhere."""
-    if _new_api():
+    """Keyed by parameter name. Full: complete on rank 0, empty elsewhere."""
+    if _new_api() and not _rank0_only_needs_legacy(full, offload):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(model, optimizer, options=_options(full, offload))
@@ -230,25 +237,24 @@ def _saved_param_groups(path: Path, key: str, index: Any) -> list:
 # --- torch.distributed.checkpoint and files ------------------------------------------------------
 
 
+def distributed() -> bool:
+    """Whether a process group is up. Without one (a notebook, a unit test) this process is every rank."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def save_distributed(state: Dict[str, Any], path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True)
-    if torch_release() >= _DCP_SAVE_LOAD:
-        dcp.save(state, storage_writer=writer)
-    else:
-        dcp.save_state_dict(state, storage_writer=writer)
+    _run_dcp("save", state, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True))
 
 
 def load_distributed(state: Dict[str, Any], path: Path) -> None:
     """Fill ``state`` (a template of the right shapes) in place from the checkpoint at ``path``."""
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(str(path))
-    if torch_release() >= _DCP_SAVE_LOAD:
-        dcp.load(state, storage_reader=reader)
-    else:
-        dcp.load_state_dict(state, storage_reader=reader)
+    _run_dcp("load", state, storage_reader=dcp.FileSystemReader(str(path)))
 
 
 def read_shard_index(path: Path) -> Any:
@@ -262,22 +268,34 @@ def read_shard_index(path: Path) -> Any:
 
 def read_distributed_in_one_process(state: Dict[str, Any], path: Path, planner: Any) -> None:
     """Fill the flat ``state`` (keys as the ``.metadata`` lists them) from ``path`` with no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    _run_dcp("load", state, one_process=True, storage_reader=dcp.FileSystemReader(str(path)), planner=planner)
+
+
+def _run_dcp(verb: str, state: Dict[str, Any], one_process: bool = False, **kwargs: Any) -> None:
+    """``dcp.save``/``dcp.load`` (``verb``) of ``state``; in this process alone when asked or when no
+    process group is up, as if it were every rank."""
     import inspect
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(str(path))
+    new, deprecated = getattr(dcp, verb), getattr(dcp, f"{verb}_state_dict")
+    if distributed() and not one_process:
+        # torch 2.2 adds dcp.save()/dcp.load() and deprecates save_state_dict()/load_state_dict().
+        (new if torch_release() >= _DCP_SAVE_LOAD else deprecated)(state, **kwargs)
+        return
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": that is the intent.
         warnings.filterwarnings("ignore", message=".*single process")
-        if torch_release() >= (2, 3) and "no_dist" in inspect.signature(dcp.load).parameters:
-            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        if torch_release() >= (2, 3) and "no_dist" in inspect.signature(new).parameters:
+            new(state, no_dist=True, **kwargs)
         else:
-            # torch 2.4: dcp.load has no no_dist; torch 2.2's gathers keys over the missing process group
-            # even with it. The deprecated loader takes no_dist on both.
+            # torch 2.4: dcp.save/load have no no_dist; torch 2.2's gather keys over the missing process
+            # group even with it. The deprecated calls take no_dist on both.
             warnings.filterwarnings("ignore", category=FutureWarning)
-            dcp.load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+            deprecated(state, no_dist=True, **kwargs)
 
 
 def load_file(path: Path, lazy: bool) -> Any:
