@@ -160,6 +160,17 @@ class Recorder(Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.dump(trainer, "final")
+        self.count_saved_entries(trainer)
+
+    def count_saved_entries(self, trainer) -> None:
+        """How many entries the strategy's own state-dict methods return on this rank (full: 0 but on rank 0)."""
+        strategy = trainer.strategy
+        if not isinstance(strategy, FSDPStrategy):
+            return
+        counts = {"model": len(strategy.lightning_module_state_dict())}
+        if cpu_optimizer_state_supported(strategy.kwargs.get("use_orig_params", False))[0]:
+            counts["optimizers"] = [len(strategy.optimizer_state(o)) for o in strategy.optimizers]
+        (self.out / f"saved_entries_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
     def on_validation_start(self, trainer, pl_module):
         if trainer.state.fn == "validate":
@@ -271,7 +282,34 @@ def _clean(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_forward_module.", "")
 
 
+class CliNet(Net):
+    """Net with its own training data, as LightningCLI's ``fit`` wants a model or a datamodule to provide it."""
+
+    def train_dataloader(self):
+        return data()
+
+
+def cli_main(argv) -> None:
+    """``cli --out OUT --ckpt-dir DIR <LightningCLI arguments>``: the user's way, the strategy from a YAML config
+    or flags. The worker adds only what it records and where checkpoints go."""
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    args, cli_args = parser.parse_known_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    enable_cpu_fsdp()
+    checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1)
+    cli = importlib.import_module(f"{L.__name__}.cli")
+    cli.LightningCLI(CliNet, args=cli_args, seed_everything_default=0, save_config_callback=None,
+                     trainer_defaults={"callbacks": [checkpoint, Recorder(args.out)]})
+    leave_process_group()
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["cli"]:
+        return cli_main(sys.argv[2:])
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ckpt-dir", type=Path, required=True)

@@ -172,3 +172,20 @@ def test_optimizer_count_mismatch_is_refused(reference, tmp_path):
     ref = reference("sharded", 0)
     output = worker(tmp_path, *config(tmp_path, "sharded", 0, 2), "--ckpt-path", ref / "ckpt" / MID, expect_failure=True)
     assert re.search(r"RuntimeError: You have configured 2 optimizers but the checkpoint .* contains 1 optimizers", output)
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_full_state_is_returned_on_rank_zero_only(reference, state_dict_type):
+    """As native Lightning: with "full", ``lightning_module_state_dict()`` and ``optimizer_state()`` return ``{}``
+    on every rank but 0, which alone writes the file; with "sharded", every rank returns its shards."""
+    import json
+
+    use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
+    out = reference(state_dict_type, use_orig_params) / "out"
+    counts = [json.loads((out / f"saved_entries_rank{rank}.json").read_text()) for rank in (0, 1)]
+    names = len(load(out / "full_final.pt")["params"])
+    assert counts[0]["model"] == names
+    assert counts[1]["model"] == (0 if state_dict_type == "full" else names)
+    if "optimizers" in counts[0]:  # torch 2.2 cannot gather optimizer state with use_orig_params on the CPU
+        assert counts[0]["optimizers"] == [2]  # "state" and "param_groups"
+        assert counts[1]["optimizers"] == [0 if state_dict_type == "full" else 2]
