@@ -77,7 +77,7 @@ def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
     full = _is_full(self)
     if not compat.supports_sharded_checkpoints():
-        _warn_rank_zero(self, "FSDP with PyTorch < 2.0 cannot save the optimizer state; it is left out.")
+        _warn_rank_zero(self, "FSDP in Lightning with PyTorch < 2.0 does not support saving the optimizer state.")
         return {}
     state = compat.optimizer_state_dict(self.model, optimizer, full=full, offload=_offload(self))
     state = _format.strip_optimizer_prefix(state, _prefix(self))
@@ -107,8 +107,8 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     path = Path(target)
     if path.is_dir() and not _format.is_replaceable_directory(path):
         raise IsADirectoryError(
-            f"The checkpoint path {str(path)!r} is a directory that is not a sharded checkpoint, so saving would"
-            " replace its contents. Choose another path or remove the directory."
+            f"The checkpoint path exists and is a directory: {path}. It is not a sharded checkpoint, so saving"
+            " would replace its contents. Choose another path or remove the directory."
         )
     partial = _atomic.partial_path(path, token)
     if full:
@@ -197,7 +197,7 @@ def _load_full(self: Any, path: Path) -> Dict[str, Any]:
         # validate/test/predict: weights are all there is to load.
         return checkpoint
     if not compat.supports_sharded_checkpoints():
-        _warn_rank_zero(self, "FSDP with PyTorch < 2.0 cannot load the optimizer state; it is left out.")
+        _warn_rank_zero(self, "FSDP in Lightning with PyTorch < 2.0 does not support loading the optimizer state.")
         return checkpoint
     for optimizer, state in zip(self.optimizers, optimizer_states):
         if _format.is_id_keyed(state):
@@ -252,9 +252,9 @@ def _check_optimizer_count(self: Any, saved: int, path: Path) -> None:
         raise _verify.weights_only_error(path)
     if saved != len(self.optimizers):
         raise RuntimeError(
-            f"You have configured {len(self.optimizers)} optimizers but the checkpoint {str(path)!r} contains"
-            f" {saved} optimizers to load. Please resume training with the same number of optimizers or edit"
-            " the checkpoint manually to remove states."
+            f"You have configured {len(self.optimizers)} optimizers but the checkpoint contains {saved} optimizers"
+            " to load. Please resume training with the same number of optimizers or edit the checkpoint manually"
+            f" to remove states. (Checkpoint: {str(path)!r}.)"
         )
 
 

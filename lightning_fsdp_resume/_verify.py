@@ -13,10 +13,20 @@ FULL = "full"
 _INDEX = _format.DCP_METADATA_FILENAME
 
 
+class MissingCheckpointError(FileNotFoundError, ValueError):
+    """A checkpoint path that does not exist. Native Lightning 2.1 raises ``ValueError`` here ("does not
+    point to a valid checkpoint"); a ``FileNotFoundError`` says better what happened. It is both."""
+
+
+def not_a_checkpoint(path: Path) -> str:
+    """Native Lightning 2.1's phrase for a path it cannot load, so that code matching it keeps matching."""
+    return f"The path {str(path)!r} does not point to a valid checkpoint"
+
+
 def checkpoint_kind(path: Path) -> str:
     """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise."""
     if not path.exists():
-        raise FileNotFoundError(_missing(path))
+        raise MissingCheckpointError(_missing(path))
     if path.is_file():
         if path.stat().st_size == 0:
             raise ValueError(f"The checkpoint file {str(path)!r} is empty. Resume from another checkpoint.")
@@ -26,7 +36,7 @@ def checkpoint_kind(path: Path) -> str:
 
 
 def _missing(path: Path) -> str:
-    message = f"The checkpoint path {str(path)!r} does not exist."
+    message = f"{not_a_checkpoint(path)}: it does not exist."
     moved = _atomic.previous_of(path)
     if moved:
         message += (
@@ -40,14 +50,14 @@ def _check_sharded(path: Path) -> None:
     meta, index = path / _format.METADATA_FILENAME, path / _INDEX
     incomplete = " Its save did not finish or it was damaged; resume from another checkpoint."
     if not any(path.iterdir()):
-        raise ValueError(f"The checkpoint path {str(path)!r} is an empty directory, not a checkpoint.")
+        raise ValueError(f"{not_a_checkpoint(path)}: it is an empty directory.")
     if not meta.is_file() and not index.is_file():
         raise ValueError(
-            f"The directory {str(path)!r} is not a checkpoint: it has neither {_format.METADATA_FILENAME!r} nor the"
-            f" shard index {_INDEX!r}. Pass a sharded checkpoint directory or a full checkpoint file."
+            f"{not_a_checkpoint(path)}: the directory has neither {_format.METADATA_FILENAME!r} nor the shard index"
+            f" {_INDEX!r}. Pass a sharded checkpoint directory or a full checkpoint file."
         )
     if not meta.is_file():
-        raise ValueError(f"The sharded checkpoint {str(path)!r} has no {_format.METADATA_FILENAME!r}." + incomplete)
+        raise ValueError(f"{not_a_checkpoint(path)}: the sharded checkpoint has no {_format.METADATA_FILENAME!r}." + incomplete)
     if not index.is_file():
         raise ValueError(f"The sharded checkpoint {str(path)!r} has no shard index {_INDEX!r}." + incomplete)
     try:
@@ -128,32 +138,38 @@ def loadable_keys(
     """The model keys to load; refuses a checkpoint of another model (``strict``: any key difference)."""
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
-    mis_shaped = [
-        f"{key}: checkpoint {stored[key]}, model {expected[key]}"
+    # Each problem in the words torch's load_state_dict uses, which native Lightning shows for a full checkpoint.
+    problems = [
+        f"size mismatch for {key}: copying a param with shape {_size(stored[key])} from checkpoint, the shape in"
+        f" current model is {_size(expected[key])}."
         for key in sorted(set(expected) & set(stored))
         if stored[key] is not None and expected[key] is not None and stored[key] != expected[key]
     ]
-    problems = []
-    if mis_shaped:
-        problems.append("shapes differ for " + _listing(mis_shaped))
+    mis_shaped = bool(problems)
     if strict and missing:
-        problems.append("missing from the checkpoint: " + _listing(missing))
+        problems.append(f"Missing key(s) in state_dict: {_listing(missing)}.")
     if strict and unexpected:
-        problems.append("not in the model: " + _listing(unexpected))
+        problems.append(f"Unexpected key(s) in state_dict: {_listing(unexpected)}.")
     if problems:
-        hint = "" if mis_shaped else " Set `strict_loading = False` on the LightningModule to load the keys both have."
+        hint = "" if mis_shaped else "\nSet `strict_loading = False` on the LightningModule to load the keys both have."
         raise RuntimeError(
-            f"The checkpoint {str(path)!r} does not fit this model: " + "; ".join(problems) + "." + hint
+            f"The checkpoint {str(path)!r} does not fit this model. Error(s) in loading state_dict:\n\t"
+            + "\n\t".join(problems) + hint
         )
     return set(expected) & set(stored)
 
 
 def weights_only_error(path: Path) -> KeyError:
     return KeyError(
-        f"The checkpoint {str(path)!r} holds only the model weights (saved with `save_weights_only=True`?),"
-        " so `fit` cannot resume from it. Load the weights with `LightningModule.load_from_checkpoint` and call"
-        " `fit` without `ckpt_path`, or resume from a checkpoint with optimizer states."
+        "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to"
+        f" `ModelCheckpoint.save_weights_only` being set to `True`. (Checkpoint: {str(path)!r}.) Load the weights"
+        " with `LightningModule.load_from_checkpoint` and call `fit` without `ckpt_path`, or resume from a"
+        " checkpoint with optimizer states."
     )
+
+
+def _size(shape: Tuple[int, ...]) -> str:
+    return f"torch.Size({list(shape)})"
 
 
 def _listing(items: Iterable[str], limit: int = 8) -> str:

@@ -213,7 +213,7 @@ class TestPatching:
         from lightning_fsdp_resume import _torch_compat
 
         monkeypatch.setattr(_torch_compat, "torch_release", lambda: (1, 13, 1))
-        with pytest.raises(NotImplementedError, match="PyTorch 2.0"):
+        with pytest.raises(NotImplementedError, match=r"is not supported in PyTorch < 2\.0\. Please upgrade `torch`\."):
             strategy_class(PATCHABLE[0])(state_dict_type="sharded")
         assert strategy_class(PATCHABLE[0])(state_dict_type="full")._state_dict_type == "full"
 

@@ -88,14 +88,14 @@ def test_consolidate_without_its_arguments_is_a_usage_error():
 def test_consolidate_refusals_exit_1_naming_the_path(tmp_path):
     missing = cli("consolidate", str(tmp_path / "nowhere"), str(tmp_path / "out.ckpt"))
     assert missing.returncode == 1
-    assert f"'{tmp_path / 'nowhere'}' does not exist" in missing.stderr
+    assert f"'{tmp_path / 'nowhere'}' does not point to a valid checkpoint: it does not exist" in missing.stderr
     assert "Traceback" not in missing.stderr
 
     (tmp_path / "not-sharded").mkdir()
     (tmp_path / "not-sharded" / "notes.txt").write_text("")
     not_sharded = cli("consolidate", str(tmp_path / "not-sharded"), str(tmp_path / "out.ckpt"))
     assert not_sharded.returncode == 1
-    assert "is not a checkpoint: it has neither 'meta.pt' nor the shard index '.metadata'" in not_sharded.stderr
+    assert "does not point to a valid checkpoint: the directory has neither 'meta.pt' nor the shard index '.metadata'" in not_sharded.stderr
 
     for name in ("meta.pt", ".metadata"):
         (tmp_path / "not-sharded" / name).write_bytes(b"")

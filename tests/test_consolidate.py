@@ -44,7 +44,7 @@ def fake_sharded(directory: Path, files=("meta.pt", ".metadata")) -> Path:
 
 @needs_consolidate
 def test_missing_source_is_refused(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"The checkpoint path '.*nowhere' does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"The path '.*nowhere' does not point to a valid checkpoint: it does not exist"):
         consolidate(tmp_path / "nowhere", tmp_path / "out.ckpt")
 
 

@@ -122,12 +122,15 @@ def _refused(tmp_path: Path, ckpt: Path, *args, pattern: str) -> None:
 
 def test_checkpoint_of_a_wider_model_is_refused(reference, tmp_path):
     _refused(tmp_path, reference("sharded", 0) / "ckpt" / "epoch=1.ckpt", "--net", "wide",
-             pattern=r"RuntimeError: The checkpoint .* does not fit this model: shapes differ for body\.0\.bias: checkpoint \(16,\), model \(32,\)")
+             pattern=r"RuntimeError: The checkpoint .* does not fit this model\. Error\(s\) in loading state_dict:\s+size mismatch for"
+                     r" body\.0\.bias: copying a param with shape torch\.Size\(\[16\]\) from checkpoint, the shape in current"
+                     r" model is torch\.Size\(\[32\]\)")
 
 
 def test_checkpoint_missing_keys_is_refused_when_strict(reference, tmp_path):
     _refused(tmp_path, reference("sharded", 0) / "ckpt" / "epoch=1.ckpt", "--net", "extra", "--fn", "validate",
-             pattern=r"does not fit this model: missing from the checkpoint: extra\.0\.bias, extra\.0\.weight")
+             pattern=r"does not fit this model\. Error\(s\) in loading state_dict:\s+Missing key\(s\) in state_dict: extra\.0\.bias,"
+                     r" extra\.0\.weight")
 
 
 def test_strict_loading_false_loads_the_keys_both_have(reference, tmp_path):
@@ -143,7 +146,8 @@ def test_weights_only_checkpoint_cannot_resume_fit(tmp_path):
     first = tmp_path / "first"
     worker(first, *config(first, "sharded", 0), "--max-epochs", 1, "--weights-only")
     _refused(tmp_path / "second", first / "ckpt" / "epoch=0.ckpt",
-             pattern=r"KeyError: .*holds only the model weights \(saved with `save_weights_only=True`\?\)")
+             pattern=r"KeyError: .Trying to restore optimizer state but checkpoint contains only the model\. This is probably due"
+                     r" to `ModelCheckpoint\.save_weights_only` being set to `True`\. \(Checkpoint: ")
 
 
 def test_truncated_shard_is_refused_on_every_rank(reference, tmp_path):

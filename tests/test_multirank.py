@@ -171,7 +171,7 @@ def test_optimizer_count_mismatch_is_refused(reference, tmp_path):
         pytest.skip(f"native Lightning {VERSION} does not check the optimizer count of a sharded checkpoint")
     ref = reference("sharded", 0)
     output = worker(tmp_path, *config(tmp_path, "sharded", 0, 2), "--ckpt-path", ref / "ckpt" / MID, expect_failure=True)
-    assert re.search(r"RuntimeError: You have configured 2 optimizers but the checkpoint .* contains 1 optimizers", output)
+    assert re.search(r"RuntimeError: You have configured 2 optimizers but the checkpoint contains 1 optimizers to load\. .*\(Checkpoint: '.*'\.\)", output)
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
