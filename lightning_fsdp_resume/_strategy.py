@@ -10,9 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from . import _atomic
-from . import _format
-from . import _verify
+from . import _atomic, _format, _verify
 from . import _torch_compat as compat
 
 _STATE_DICT_TYPES = ("full", "sharded")

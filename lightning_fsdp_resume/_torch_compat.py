@@ -9,8 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
 
-from . import _format
-from . import _shard_layout
+from . import _format, _shard_layout
 
 # torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict, but
 # its version fails on a rank that holds no shard of a parameter ("Only single local shard is
