@@ -263,8 +263,8 @@ def _decided_on_rank_zero(self: Any, check: Callable[..., Any], *args: Any) -> A
     if self.global_rank == 0:
         try:
             outcome = (check(*args), None)
-        except Exception as error:  # whatever it is, the other ranks must hear of it rather than wait
-            outcome = (None, error)
+        except Exception as raised:  # whatever it is, the other ranks must hear of it rather than wait
+            outcome = (None, raised)
     result, error = self.broadcast(outcome)
     if error is not None:
         raise error
