@@ -24,7 +24,6 @@ else:
     import pytorch_lightning as L
 
 import lightning_fsdp_resume as shim
-
 from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
 from peak_rss import PeakRss
 

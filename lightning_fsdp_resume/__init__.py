@@ -9,7 +9,7 @@ Importing this package imports neither torch nor Lightning.
 """
 import os
 import sys
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Set
 
 from ._patcher import Patcher
 from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
@@ -22,7 +22,7 @@ DISABLE_ENV = "LIGHTNING_FSDP_RESUME_DISABLE"
 _patcher = Patcher()
 _wanted = False  # patch() was called more recently than unpatch()
 _hooks_registered = False
-_refusals_said = set()
+_refusals_said: Set[str] = set()
 
 
 class FlavourStatus(NamedTuple):

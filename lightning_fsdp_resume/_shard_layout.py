@@ -129,12 +129,23 @@ def parameter_shapes(model: Any) -> Optional[Dict[str, Tuple[int, ...]]]:
     return {name: shape for flat in flats for name, shape in zip(flat.names, flat.shapes)}
 
 
+def _known_flat_shards(model: Any) -> List[FlatShard]:
+    """``flat_shards`` of a model whose layout ``parameter_shapes`` accepted (the loaders below need it)."""
+    flats = flat_shards(model)
+    if flats is None:
+        raise RuntimeError(
+            "FSDP's parameter layout is not one this module reads: load through torch's state-dict API where"
+            " parameter_shapes() returns None."
+        )
+    return flats
+
+
 def copy_model_into_shards(model: Any, values: Dict[str, Any]) -> None:
     """Copy this rank's part of each full tensor ``values[name]`` into the flat parameters' local shards."""
     import torch
 
     with torch.no_grad():
-        for flat in flat_shards(model):
+        for flat in _known_flat_shards(model):
             for piece in flat.pieces:
                 if piece.name in values:
                     copy_piece(values[piece.name], flat.param.data, piece)
@@ -146,7 +157,7 @@ def read_model_into_shards(model: Any, path: Any, stored: Dict[str, str]) -> Non
     import torch
 
     views = ViewsReader()
-    for flat in flat_shards(model):
+    for flat in _known_flat_shards(model):
         shapes = dict(zip(flat.names, flat.shapes))
         for piece in flat.pieces:
             if piece.name in stored:

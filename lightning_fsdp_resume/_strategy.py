@@ -11,9 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Optional, Set
 
-from . import _atomic
-from . import _format
-from . import _verify
+from . import _atomic, _format, _verify
 from . import _torch_compat as compat
 
 _STATE_DICT_TYPES = ("full", "sharded")
@@ -280,8 +278,8 @@ def _decided_on_rank_zero(self: Any, check: Callable[..., Any], *args: Any) -> A
     if self.global_rank == 0:
         try:
             outcome = (check(*args), None)
-        except Exception as error:  # whatever it is, the other ranks must hear of it rather than wait
-            outcome = (None, error)
+        except Exception as raised:  # whatever it is, the other ranks must hear of it rather than wait
+            outcome = (None, raised)
     result, error = _broadcast(self, outcome)
     if error is not None:
         raise error

@@ -9,8 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
 
-from . import _format
-from . import _shard_layout
+from . import _format, _shard_layout
 
 # torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict, but
 # its version fails on a rank that holds no shard of a parameter ("Only single local shard is
@@ -228,7 +227,7 @@ def _saved_param_groups(path: Path, key: str, index: Any) -> list:
         with open(path / info.relative_path, "rb") as handle:
             handle.seek(info.offset)
             value = torch.load(io.BytesIO(handle.read(info.length)), weights_only=False)
-        if fqn == whole:
+        if field is None:  # fqn == whole: the groups saved as one entry
             return list(value)
         groups.setdefault(int(field.group(1)), {})[field.group(2)] = value
     return [groups[i] for i in sorted(groups)]
@@ -306,15 +305,15 @@ def load_file(path: Path, lazy: bool) -> Any:
     """
     import torch
 
-    path = str(path)  # torch 2.1/2.2 memory-map only a str filename, not a Path
+    filename = str(path)  # torch 2.1/2.2 memory-map only a str filename, not a Path
     if lazy and torch_release() >= _LOAD_MMAP:
         try:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            return torch.load(filename, map_location="cpu", weights_only=False, mmap=True)
         except RuntimeError as error:
             # Files in torch's legacy (pre-zip) format cannot be memory-mapped; read them whole.
             if "mmap" not in str(error):
                 raise
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(filename, map_location="cpu", weights_only=False)
 
 
 def save_file(obj: Any, path: Path) -> None:

@@ -4,8 +4,7 @@ is refused with the path, what was found and what to do. Nothing here writes to 
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
-from . import _atomic
-from . import _format
+from . import _atomic, _format
 from . import _torch_compat as compat
 
 SHARDED = "sharded"

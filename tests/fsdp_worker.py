@@ -24,7 +24,6 @@ else:
     from pytorch_lightning.strategies import FSDPStrategy
 
 import lightning_fsdp_resume  # noqa: F401,E402  (the one-line activation under test)
-
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_cpu_fsdp, leave_process_group
 
 

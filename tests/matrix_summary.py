@@ -1,18 +1,31 @@
 """Print the tox matrix table (environment, Lightning, torch, shim mode, passed, skipped, failed).
 
 Run by tox's last environment with the results folder the others wrote into. Exits non-zero when an
-environment of the envlist reported failures or errors, or reported nothing.
+environment of the envlist reported failures or errors, or reported nothing. Environments that run no
+tests (`lint`, `summary` itself: their setenv names no results file) have no row; tox reports them.
 """
 import configparser
 import json
+import re
 import sys
 from pathlib import Path
+
+RESULTS_ENV = "LIGHTNING_FSDP_RESUME_RESULTS"
+
+
+def reports_results(config: configparser.ConfigParser, env: str) -> bool:
+    """Whether tox gives ``env`` a results file: its setenv (its own, else [testenv]'s) sets RESULTS_ENV."""
+    section = f"testenv:{env}" if config.has_option(f"testenv:{env}", "setenv") else "testenv"
+    setenv = config.get(section, "setenv", fallback="")
+    # {[xver]setenv}: tox's reference to another section's value
+    setenv = re.sub(r"\{\[([^\]]+)\](\w+)\}", lambda ref: config.get(ref[1], ref[2], fallback=""), setenv)
+    return RESULTS_ENV in setenv
 
 
 def main(results: Path, tox_ini: Path) -> int:
     config = configparser.ConfigParser()
     config.read(tox_ini)
-    envs = [e.strip() for e in config["tox"]["envlist"].split() if e.strip() and e.strip() != "summary"]
+    envs = [e for e in config["tox"]["envlist"].split() if reports_results(config, e)]
     header = ("environment", "Lightning", "torch", "shim mode", "passed", "skipped", "failed")
     rows, ok = [], True
     for env in envs:

@@ -59,7 +59,7 @@ def test_status_with_patching_off_counts_only_native_lightning():
 
 def _write_run(directory, losses, weight):
     directory.mkdir()
-    (directory / "losses.jsonl").write_text("".join(f'{{"step": {s}, "loss": {l}}}\n' for s, l in losses.items()))
+    (directory / "losses.jsonl").write_text("".join(f'{{"step": {step}, "loss": {loss}}}\n' for step, loss in losses.items()))
     torch.save({"step": max(losses), "params": {"w": torch.tensor([weight])}}, directory / "weights_epoch1.pt")
 
 

@@ -14,15 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, config, needs_consolidate, worker
-from states import assert_identical, assert_ranks_identical, differences, load
-
 from lightning_fsdp_resume import _consolidate
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
 from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported
-
-
+from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, config, needs_consolidate, worker
+from states import assert_identical, assert_ranks_identical, differences, load
 
 
 def multirank(test):

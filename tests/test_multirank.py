@@ -3,7 +3,6 @@
 Each test names one promised behaviour. Reference runs train 3 epochs and checkpoint every epoch;
 resumed runs start in new processes from the checkpoint after epoch 1 (``epoch=1.ckpt``).
 """
-import os
 import re
 from pathlib import Path
 
