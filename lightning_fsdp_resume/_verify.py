@@ -138,12 +138,14 @@ def loadable_keys(
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
     # Each problem in the words torch's load_state_dict uses, which native Lightning shows for a full checkpoint.
-    problems = [
-        f"size mismatch for {key}: copying a param with shape {_size(stored[key])} from checkpoint, the shape in"
-        f" current model is {_size(expected[key])}."
-        for key in sorted(set(expected) & set(stored))
-        if stored[key] is not None and expected[key] is not None and stored[key] != expected[key]
-    ]
+    problems = []
+    for key in sorted(set(expected) & set(stored)):
+        saved, wanted = stored[key], expected[key]
+        if saved is not None and wanted is not None and saved != wanted:
+            problems.append(
+                f"size mismatch for {key}: copying a param with shape {_size(saved)} from checkpoint, the shape in"
+                f" current model is {_size(wanted)}."
+            )
     mis_shaped = bool(problems)
     if strict and missing:
         problems.append(f"Missing key(s) in state_dict: {_listing(missing)}.")
