@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Dict, List
 
 PROGRESS = "demo: "
+FAILED = "failed-rank"  # + the rank + ".txt": a rank program's error, type and first line
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -100,7 +101,7 @@ def _rank_main(argv: List[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--state-dict-type", default="sharded")
+    parser.add_argument("--state-dict-type", default=None)  # omitted for stock FSDPStrategy, which lacks it
     parser.add_argument("--ckpt-path", default=None)
     args = parser.parse_args(argv)
 
@@ -158,13 +159,22 @@ def _rank_main(argv: List[str]) -> None:
     x = torch.randn(256, 16, generator=generator)
     y = torch.sin(x[:, :4]) + 0.1 * torch.randn(256, 4, generator=generator)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-    strategy = L.strategies.FSDPStrategy(state_dict_type=args.state_dict_type)
+    strategy_options = {"state_dict_type": args.state_dict_type} if args.state_dict_type else {}  # none for stock
+    strategy = L.strategies.FSDPStrategy(**strategy_options)
+    # dirpath a str, as usually written: a Path is pickled into the checkpoint, and since torch 2.6 stock
+    # Lightning 2.0.x (torch.load with weights_only=True) fails on it before it gets to FSDP.
+    checkpoints = L.callbacks.ModelCheckpoint(dirpath=str(args.out / "ckpt"), filename="{epoch}", save_top_k=-1)
     trainer = L.Trainer(
         accelerator=accelerator, devices=ranks, strategy=strategy, max_epochs=args.epochs,
-        callbacks=[L.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", filename="{epoch}", save_top_k=-1), Record()],
+        callbacks=[checkpoints, Record()],
         logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
     )
-    trainer.fit(Regressor(args.hidden), train_dataloaders=data, ckpt_path=args.ckpt_path)
+    try:
+        trainer.fit(Regressor(args.hidden), train_dataloaders=data, ckpt_path=args.ckpt_path)
+    except Exception as error:  # recorded for the report (stock Lightning's resume may fail), then raised
+        first_line = next(iter(str(error).splitlines()), "")
+        (args.out / f"{FAILED}{os.environ.get('RANK', '0')}.txt").write_text(f"{type(error).__name__}: {first_line}")
+        raise
     leave_process_group()
 
 
