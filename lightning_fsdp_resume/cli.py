@@ -25,8 +25,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="the shim's checkpoint kind (default sharded); stock Lightning 2.0.x writes one full file")
     demo.add_argument("--compare-stock", action="store_true",
                       help="first interrupt and resume with patching off (stock Lightning 2.0.x FSDP, whose checkpoint holds"
-                      " no weights and only rank 0's optimizer shard) and print its column beside the shim's; its failure"
-                      " does not change the exit status")
+                      " no weights and only rank 0's optimizer shard) and print its column beside the shim's; the exit"
+                      " status stays the shim's verdict, whether stock differs, fails or not")
     demo.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
 
     commands.add_parser("status", help="installed Lightning, torch and wrapt, and what the shim did with each flavour")
