@@ -9,12 +9,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning_fsdp_resume", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="train on 2 ranks, checkpoint mid-run, resume, compare with an uninterrupted run")
+    demo = commands.add_parser(
+        "demo",
+        help="train on 2 ranks, checkpoint mid-run, resume, compare with an uninterrupted run (--compare-stock: also"
+        " without the shim)",
+        description="Train a small model with FSDP, checkpoint mid-run, stop, resume in new processes and compare each"
+        " epoch's loss and weights with an uninterrupted run. Exit status 0 only when the resumed run matches bit for"
+        " bit.",
+    )
     demo.add_argument("--ranks", type=int, default=2, help="FSDP ranks (default 2)")
     demo.add_argument("--epochs", type=int, default=4, help="epochs of the whole run (default 4)")
     demo.add_argument("--stop-after", type=int, default=2, help="epochs before the interruption (default 2)")
     demo.add_argument("--hidden", type=int, default=32, help="model width (default 32)")
-    demo.add_argument("--state-dict-type", choices=["sharded", "full"], default="sharded")
+    demo.add_argument("--state-dict-type", choices=["sharded", "full"], default="sharded",
+                      help="the shim's checkpoint kind (default sharded); stock Lightning 2.0.x writes one full file")
+    demo.add_argument("--compare-stock", action="store_true",
+                      help="first interrupt and resume with patching off (stock Lightning 2.0.x FSDP, whose checkpoint holds"
+                      " no weights and only rank 0's optimizer shard) and print its column beside the shim's; the exit"
+                      " status stays the shim's verdict, whether stock differs, fails or not")
     demo.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
 
     commands.add_parser("status", help="installed Lightning, torch and wrapt, and what the shim did with each flavour")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_fsdp_resume import _versions
-from lightning_fsdp_resume.demo import _report
+from lightning_fsdp_resume.demo import _lightning_version, _report
 from lightning_fsdp_resume.testing import cpu_fsdp_supported
 from ranks import needs_consolidate
 
@@ -26,6 +26,29 @@ def test_demo_resumes_bit_exactly_and_says_so(tmp_path):
     assert "[3/3] resumed run" in result.stdout
     assert "PASS: resumed from epoch 1" in result.stdout
     assert (tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt" / "meta.pt").is_file()
+
+
+def _demo_lightning_is_patched():
+    version = _lightning_version()
+    return version is not None and _versions.decide(version)[0] == _versions.PATCH
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not cpu_fsdp_supported()[0], reason=cpu_fsdp_supported()[1])
+@pytest.mark.skipif(not _demo_lightning_is_patched(), reason="the demo's Lightning is native: stock has no bug to show")
+def test_demo_compare_stock_shows_stock_lightning_wrong_and_the_shim_exact(tmp_path):
+    args = ("demo", "--compare-stock", "--epochs", "2", "--stop-after", "1", "--hidden", "8", "--workdir", str(tmp_path))
+    result = cli(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "[3/5] stock-resumed run" in result.stdout and "[5/5] resumed run" in result.stdout
+    assert any("stock Lightning 2.0" in line and "lightning_fsdp_resume" in line for line in lines), result.stdout
+    row = next(line.split() for line in lines if line.split()[:1] == ["1"])  # epoch 1: the resumed part
+    stock_failed = "resume failed:" in " ".join(row)
+    assert stock_failed or float(row[4]) != 0.0, result.stdout
+    assert row[-1] == "0", result.stdout  # the shim's largest difference
+    assert "lightning_fsdp_resume: PASS: resumed from epoch 1" in result.stdout
+    assert any(line.startswith("stock Lightning 2.0") and ": FAIL: " in line for line in lines), result.stdout
 
 
 def _installed_modes():
@@ -69,6 +92,31 @@ def test_demo_verdict_demands_exact_equality(tmp_path, capsys, loss, weight, ver
     _write_run(tmp_path / "resumed", {2: loss}, weight)
     assert _report(tmp_path / "reference", tmp_path / "resumed", 1) == verdict
     assert ("PASS" if verdict == 0 else "FAIL") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stock,shim_weight,verdict,shown", [
+    ("differs", 1.0, 0, "stock Lightning 2.0.9: FAIL: the resumed run differs"),
+    ("differs", 1.5, 1, "lightning_fsdp_resume: FAIL: the resumed run differs"),
+    ("no output", 1.0, 0, "stock Lightning 2.0.9: FAIL: resume failed: no output"),
+    ("raised", 1.0, 0, "stock Lightning 2.0.9: FAIL: resume failed: RuntimeError: Error(s) in loading state_dict"),
+])
+def test_demo_compare_stock_verdict_is_the_shims_and_shows_stock(tmp_path, capsys, monkeypatch, stock, shim_weight,
+                                                                 verdict, shown):
+    monkeypatch.setattr("lightning_fsdp_resume.demo._lightning_version", lambda: "2.0.9")
+    _write_run(tmp_path / "reference", {1: 0.7, 2: 0.5}, 1.0)
+    _write_run(tmp_path / "resumed", {2: 0.5}, shim_weight)
+    if stock == "differs":
+        _write_run(tmp_path / "stock", {2: 0.9}, 1.25)
+    elif stock == "raised":
+        (tmp_path / "stock").mkdir()
+        (tmp_path / "stock" / "failed-rank0.txt").write_text("RuntimeError: Error(s) in loading state_dict for M:")
+    assert _report(tmp_path / "reference", tmp_path / "resumed", 1, tmp_path / "stock") == verdict
+    out = capsys.readouterr().out
+    assert shown in out and "stock Lightning 2.0.9" in out.splitlines()[1]
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["1"])
+    assert ("0.90000000" in row and "0.25" in row) if stock == "differs" else "resume failed" in row
+    if verdict == 0:
+        assert "lightning_fsdp_resume: PASS" in out
 
 
 def test_help_lists_consolidate_and_its_arguments():
