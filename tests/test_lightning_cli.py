@@ -9,10 +9,10 @@ import os
 
 import pytest
 
+from lightning_fsdp_resume.testing import cpu_fsdp_supported, disable_cpu_fsdp, enable_cpu_fsdp
 from ranks import EPOCHS, MID, PACKAGE, worker
 from states import assert_ranks_identical, load
 from test_activation import INSTALLED, PATCHABLE, strategy_class
-from lightning_fsdp_resume.testing import cpu_fsdp_supported, disable_cpu_fsdp, enable_cpu_fsdp
 
 
 @pytest.fixture(scope="module", autouse=True)
