@@ -1,12 +1,14 @@
 """Print the tox matrix table (environment, Lightning, torch, shim mode, passed, skipped, failed).
 
 Run by tox's last environment with the results folder the others wrote into. Exits non-zero when an
-environment of the envlist reported failures or errors, or reported nothing. Environments that run no
+environment of the envlist reported failures or errors, or reported nothing although its interpreter
+is there (tox skips an environment whose ``pyNN`` interpreter is missing; its row says so). Environments that run no
 tests (`lint`, `summary` itself: their setenv names no results file) have no row; tox reports them.
 """
 import configparser
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -22,6 +24,13 @@ def reports_results(config: configparser.ConfigParser, env: str) -> bool:
     return RESULTS_ENV in setenv
 
 
+def missing_interpreter(env: str) -> str:
+    """The ``python3.N`` a ``py3N-*`` environment asks for, when it is not on PATH; else ``""``."""
+    factor = next((f for f in env.split("-") if re.fullmatch(r"py3\d+", f)), None)
+    wanted = f"python3.{factor[3:]}" if factor else ""
+    return wanted if wanted and shutil.which(wanted) is None else ""
+
+
 def main(results: Path, tox_ini: Path) -> int:
     config = configparser.ConfigParser()
     config.read(tox_ini)
@@ -31,8 +40,9 @@ def main(results: Path, tox_ini: Path) -> int:
     for env in envs:
         path = results / f"{env}.json"
         if not path.is_file():
-            rows.append((env, "-", "-", "NO RESULTS", "-", "-", "-"))
-            ok = False
+            missing = missing_interpreter(env)
+            rows.append((env, "-", "-", f"SKIPPED: no {missing}" if missing else "NO RESULTS", "-", "-", "-"))
+            ok = ok and bool(missing)
             continue
         r = json.loads(path.read_text())
         lightning = ", ".join(f"{p} {v}" for p, (v, _) in r["lightning"].items())

@@ -51,6 +51,7 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
             assert re.fullmatch(r"-?\d+\.\d \(-?\d+\.\d–-?\d+\.\d\)", row[f"rank {rank} peak growth MB (range)"]), row
     verdicts = {row["target"].split(":")[0].split(" (")[0]: row["met"] for row in targets}
     assert verdicts["sharded resume"] in ("yes", "**NO**")
+    assert verdicts["full save"] in ("yes", "**NO**")
     assert verdicts["sharded resume time shim/native"] == "not measured"  # no native side given
     assert verdicts["import lightning_fsdp_resume imports neither torch nor Lightning"] == "yes"
     assert not list(tmp_path.iterdir()), "the checkpoints of each run are removed after it"

@@ -31,5 +31,6 @@ def test_every_readme_environment_is_made_of_known_factors_or_has_its_section():
     for name in _readme_environments():
         if config.has_section(f"testenv:{name}"):
             continue
-        unknown = [f for f in name.split("-") if f not in known]
+        # pyNN: tox's own factor for the interpreter
+        unknown = [f for f in name.split("-") if f not in known and not re.fullmatch(r"py3\d+", f)]
         assert not unknown, f"{name}: factors {unknown} select nothing in tox.ini"
