@@ -1,7 +1,8 @@
 """Sharded FSDP checkpoints and resume for Lightning 2.0.x, the way Lightning 2.1 does them.
 
-``import lightning_fsdp_resume`` patches ``FSDPStrategy`` of ``lightning.pytorch`` and of
-``pytorch_lightning`` when (or if already) they are imported. Lightning 2.1 and newer is left
+``import lightning_fsdp_resume`` patches the Trainer's ``FSDPStrategy`` (``lightning.pytorch``,
+``pytorch_lightning``) and Fabric's ``FSDPStrategy`` and ``Fabric`` (``lightning.fabric``,
+``lightning_fabric``) when (or if already) they are imported. Lightning 2.1 and newer is left
 untouched. Set ``LIGHTNING_FSDP_RESUME_DISABLE=1`` to import without patching; ``patch()``,
 ``unpatch()`` and ``status()`` control and report it.
 
@@ -46,18 +47,20 @@ def patch() -> None:
         import wrapt
 
         for flavour in FLAVOURS:
-            # Runs at once if the module is already imported, else right after its import.
-            wrapt.register_post_import_hook(_hook_for(flavour), flavour.strategy_module)
+            for module_name, class_name in flavour.patched_classes:
+                # Runs at once if the module is already imported, else right after its import.
+                wrapt.register_post_import_hook(_hook_for(flavour, class_name), module_name)
         _hooks_registered = True
         return
     for flavour in FLAVOURS:
-        module = sys.modules.get(flavour.strategy_module)
-        if module is not None:
-            _patch_module(flavour, module)
+        for module_name, class_name in flavour.patched_classes:
+            module = sys.modules.get(module_name)
+            if module is not None:
+                _patch_module(flavour, module, class_name)
 
 
 def unpatch() -> None:
-    """Restore every patched ``FSDPStrategy`` exactly and stop patching on later imports. Idempotent."""
+    """Restore every patched class exactly and stop patching on later imports. Idempotent."""
     global _wanted
     _wanted = False
     for cls in _patcher.patched_classes():
@@ -65,7 +68,8 @@ def unpatch() -> None:
 
 
 def status() -> Dict[str, FlavourStatus]:
-    """Per flavour (``"lightning.pytorch"``, ``"pytorch_lightning"``): patched, native, unsupported, and why."""
+    """Per flavour (``"lightning.pytorch"``, ``"pytorch_lightning"``, ``"lightning.fabric"``, ``"lightning_fabric"``):
+    patched, native, unsupported, and why."""
     return {flavour.package: _status_of(flavour) for flavour in FLAVOURS}
 
 
@@ -86,21 +90,21 @@ def _status_of(flavour: Flavour) -> FlavourStatus:
     return FlavourStatus(flavour.package, version, "unpatched", why)
 
 
-def _hook_for(flavour: Flavour):
+def _hook_for(flavour: Flavour, class_name: str):
     def hook(module) -> None:
         if _wanted:
-            _patch_module(flavour, module)
+            _patch_module(flavour, module, class_name)
 
     return hook
 
 
-def _patch_module(flavour: Flavour, module) -> None:
+def _patch_module(flavour: Flavour, module, class_name: str = "FSDPStrategy") -> None:
     version = installed_version(flavour)
     decision, reason = decide(version) if version else (None, "version unknown")
     if decision == PATCH:
-        from ._patches import FSDP_STRATEGY_PATCHES
+        from ._patches import TABLES
 
-        _patcher.apply(module.FSDPStrategy, FSDP_STRATEGY_PATCHES)
+        _patcher.apply(getattr(module, class_name), TABLES[(flavour.kind, class_name)])
     elif decision != NATIVE and flavour.package not in _refusals_said:
         _refusals_said.add(flavour.package)
         import logging  # only when refusing: logging costs more to import than the shim

@@ -1,14 +1,18 @@
-"""The one table of what the shim puts on ``FSDPStrategy``.
+"""The tables of what the shim puts on each patched class: the Trainer's ``FSDPStrategy``, Fabric's
+``FSDPStrategy`` and ``Fabric``.
 
-It applies to Lightning releases in [``_versions.FIRST_PATCHED``, ``_versions.FIRST_NATIVE``), i.e.
-2.0.x, of both flavours (``lightning.pytorch`` and ``pytorch_lightning``). Lightning 2.1 and newer
-define every one of these itself.
+They apply to Lightning releases in [``_versions.FIRST_PATCHED``, ``_versions.FIRST_NATIVE``), i.e. 2.0.x,
+of every flavour (``lightning.pytorch``, ``pytorch_lightning``, ``lightning.fabric``, ``lightning_fabric``).
+Lightning 2.1 and newer define every one of these itself.
 """
-from . import _strategy
+from typing import Any, Dict, Tuple
+
+from . import _fabric, _strategy
 from ._patcher import Wrap
+from ._versions import FABRIC, TRAINER
 
 FSDP_STRATEGY_PATCHES = {
-    # accepts state_dict_type="full" | "sharded" instead of handing it to FSDP
+    # accepts state_dict_type="full" (default) | "sharded" instead of handing it to FSDP
     "__init__": Wrap(_strategy.wrap_init),
     # restore after the model is wrapped and sharded; optimizers are restored by load_checkpoint
     "restore_checkpoint_after_setup": property(_strategy.restore_checkpoint_after_setup),
@@ -21,4 +25,27 @@ FSDP_STRATEGY_PATCHES = {
     "load_checkpoint": _strategy.load_checkpoint,
     "load_model_state_dict": _strategy.load_model_state_dict,
     "load_optimizer_state_dict": _strategy.load_optimizer_state_dict,
+}
+
+FABRIC_FSDP_STRATEGY_PATCHES = {
+    # accepts state_dict_type="sharded" (default) | "full" instead of handing it to FSDP
+    "__init__": Wrap(_fabric.wrap_init),
+    # 2.0.x inherits the base strategy's: full model gathered on every rank, rank 0's optimizer shard only
+    "save_checkpoint": _fabric.save_checkpoint,
+    "load_checkpoint": _fabric.load_checkpoint,
+}
+
+FABRIC_PATCHES = {
+    # the new arguments (filter=, strict=) reach a strategy that takes them; wrappers are taken off first
+    "save": Wrap(_fabric.wrap_save),
+    "load": Wrap(_fabric.wrap_load),
+    # new in 2.1: a module's own state dict from one file
+    "load_raw": _fabric.load_raw,
+}
+
+# (flavour kind, class name) -> table
+TABLES: Dict[Tuple[str, str], Dict[str, Any]] = {
+    (TRAINER, "FSDPStrategy"): FSDP_STRATEGY_PATCHES,
+    (FABRIC, "FSDPStrategy"): FABRIC_FSDP_STRATEGY_PATCHES,
+    (FABRIC, "Fabric"): FABRIC_PATCHES,
 }

@@ -87,21 +87,37 @@ def read_meta(path: Path) -> Dict[str, Any]:
     return content
 
 
-def read_full(path: Path) -> Dict[str, Any]:
-    """A full checkpoint file, memory-mapped where torch allows."""
+def read_full(path: Path, required: Optional[str] = "state_dict") -> Dict[str, Any]:
+    """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have."""
     try:
         checkpoint = compat.load_file(path, lazy=True)
     except Exception as error:
         raise ValueError(
             f"The file {str(path)!r} is not a checkpoint torch can read ({_describe(error)}). Pass a checkpoint"
-            " written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
+            " written by `Trainer.save_checkpoint`, `ModelCheckpoint` or `Fabric.save`."
         ) from error
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"The file {str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint's dict.")
+    if required is not None and required not in checkpoint:
         raise ValueError(
-            f"The file {str(path)!r} is not a Lightning checkpoint: it has no 'state_dict'. Pass the path of a"
+            f"The file {str(path)!r} is not a Lightning checkpoint: it has no {required!r}. Pass the path of a"
             " checkpoint written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
         )
     return checkpoint
+
+
+def checkpoint_entries(path: Path, kind: str) -> Set[Any]:
+    """The top-level entries of a complete checkpoint: a full file's keys; a sharded one's stored objects
+    (modules and optimizers, from its index) and the keys of its ``meta.pt``."""
+    if kind == FULL:
+        return set(read_full(path, required=None))
+    shards = compat.read_shard_index(path)
+    paths = getattr(shards, "planner_data", None) or {}
+    if paths:  # each flattened key's path of nested keys, from the saved dict down
+        stored = {nested[0] for nested in paths.values() if nested}
+    else:
+        stored = {key.partition(".")[0] for key in shards.state_dict_metadata}
+    return stored | set(read_meta(path))
 
 
 def _bytes_needed(shards: Any) -> Dict[str, int]:
@@ -113,13 +129,14 @@ def _bytes_needed(shards: Any) -> Dict[str, int]:
     return needed
 
 
-def stored_model_shapes(shards: Any) -> Dict[str, Optional[Tuple[int, ...]]]:
-    """The model entries a sharded checkpoint's index lists, with their global shapes (None: not a tensor)."""
-    prefix = f"{_format.MODEL_KEY}."
+def stored_model_shapes(shards: Any, key: str = _format.MODEL_KEY) -> Dict[str, Optional[Tuple[int, ...]]]:
+    """The entries a sharded checkpoint's index lists under ``key`` (a module's weights), with their global
+    shapes (None: not a tensor)."""
+    prefix = f"{key}."
     return {
-        key[len(prefix) :]: tuple(entry.size) if hasattr(entry, "size") else None
-        for key, entry in shards.state_dict_metadata.items()
-        if key.startswith(prefix)
+        name[len(prefix) :]: tuple(entry.size) if hasattr(entry, "size") else None
+        for name, entry in shards.state_dict_metadata.items()
+        if name.startswith(prefix)
     }
 
 

@@ -8,21 +8,36 @@ import re
 import sys
 from typing import NamedTuple, Optional, Tuple
 
+TRAINER, FABRIC = "trainer", "fabric"
+
 
 class Flavour(NamedTuple):
-    """One importable Lightning package that ships a PyTorch ``FSDPStrategy``."""
+    """One importable Lightning package whose FSDP checkpointing the shim patches: the Trainer's
+    (``FSDPStrategy``) or Fabric's (``FSDPStrategy`` and ``Fabric``)."""
 
     package: str  # the import name whose ``strategies.fsdp`` holds FSDPStrategy
     distribution: str  # the name pip knows it by
+    kind: str = TRAINER
+    also_in: Tuple[str, ...] = ()  # other distributions that ship the package
 
     @property
     def strategy_module(self) -> str:
         return f"{self.package}.strategies.fsdp"
 
+    @property
+    def patched_classes(self) -> Tuple[Tuple[str, str], ...]:
+        """``(module, class name)`` of every class the shim patches for this flavour."""
+        if self.kind == FABRIC:
+            return ((self.strategy_module, "FSDPStrategy"), (f"{self.package}.fabric", "Fabric"))
+        return ((self.strategy_module, "FSDPStrategy"),)
+
 
 FLAVOURS = (
     Flavour(package="lightning.pytorch", distribution="lightning"),
     Flavour(package="pytorch_lightning", distribution="pytorch-lightning"),
+    Flavour(package="lightning.fabric", distribution="lightning", kind=FABRIC),
+    # the standalone namespace ships in its own distribution and inside pytorch-lightning's
+    Flavour(package="lightning_fabric", distribution="lightning-fabric", kind=FABRIC, also_in=("pytorch-lightning",)),
 )
 
 # The support range, declared once: releases in [FIRST_PATCHED, FIRST_NATIVE) get the patch.
@@ -67,10 +82,12 @@ def installed_version(flavour: Flavour) -> Optional[str]:
         return None
     from importlib import metadata  # here, not at import: it costs tens of milliseconds
 
-    try:
-        return metadata.version(flavour.distribution)
-    except metadata.PackageNotFoundError:
-        return None
+    for distribution in (flavour.distribution, *flavour.also_in):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 

@@ -14,12 +14,17 @@ import pytest
 
 import lightning_fsdp_resume as shim
 from lightning_fsdp_resume import _versions
-from lightning_fsdp_resume._patches import FSDP_STRATEGY_PATCHES
+from lightning_fsdp_resume._patches import FSDP_STRATEGY_PATCHES, TABLES
 
 FLAVOURS = {f.package: f for f in _versions.FLAVOURS}
 INSTALLED = {p: v for p, v in ((p, _versions.installed_version(f)) for p, f in FLAVOURS.items()) if v}
 PATCHABLE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.PATCH]
 NATIVE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.NATIVE]
+# The Trainer's flavours (lightning.pytorch, pytorch_lightning), for the tests of the Trainer's strategy
+TRAINERS = [p for p in INSTALLED if FLAVOURS[p].kind == _versions.TRAINER]
+PATCHABLE_TRAINERS = [p for p in PATCHABLE if p in TRAINERS]
+# An attribute the FSDPStrategy of each kind defines itself when patched or native, and not in 2.0.x
+MARKER = {_versions.TRAINER: "restore_checkpoint_after_setup", _versions.FABRIC: "load_checkpoint"}
 
 
 def strategy_class(package: str):
@@ -41,7 +46,8 @@ def _import_order_probe(package: str, order: str) -> str:
     imports = ["import lightning_fsdp_resume as shim", f"import {package}.strategies.fsdp as fsdp"]
     if order == "lightning first":
         imports.reverse()
-    return "\n".join(imports + [f"print(shim.status()[{package!r}].mode, 'restore_checkpoint_after_setup' in vars(fsdp.FSDPStrategy))"])
+    marker = MARKER[FLAVOURS[package].kind]
+    return "\n".join(imports + [f"print(shim.status()[{package!r}].mode, {marker!r} in vars(fsdp.FSDPStrategy))"])
 
 
 def _untouched_probe(package: str) -> str:
@@ -104,7 +110,8 @@ def test_import_imports_neither_torch_nor_lightning(probe):
 @pytest.mark.parametrize("package", sorted(INSTALLED))
 def test_any_import_order_gives_the_same_result(probe, package, order):
     out = probe("order", package, order)
-    expected = "patched True" if package in PATCHABLE else "native " + str("restore_checkpoint_after_setup" in vars(strategy_class(package)))
+    marker = MARKER[FLAVOURS[package].kind]
+    expected = "patched True" if package in PATCHABLE else "native " + str(marker in vars(strategy_class(package)))
     assert out.split() == expected.split()
 
 
@@ -134,12 +141,16 @@ class TestPatching:
             assert "lacks sharded FSDP checkpoints" in status.reason
 
     def test_every_table_entry_is_on_the_class(self):
+        import importlib
+
         for package in PATCHABLE:
-            cls = strategy_class(package)
-            for name, entry in FSDP_STRATEGY_PATCHES.items():
-                assert name in vars(cls), name
-                if not hasattr(entry, "factory"):
-                    assert vars(cls)[name] is entry
+            flavour = FLAVOURS[package]
+            for module, class_name in flavour.patched_classes:
+                cls = getattr(importlib.import_module(module), class_name)
+                for name, entry in TABLES[(flavour.kind, class_name)].items():
+                    assert name in vars(cls), (cls, name)
+                    if not hasattr(entry, "factory"):
+                        assert vars(cls)[name] is entry
 
     def test_patching_twice_is_a_no_op(self):
         snapshots = {p: dict(vars(strategy_class(p))) for p in PATCHABLE}
@@ -150,7 +161,7 @@ class TestPatching:
             assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
 
     def test_unpatch_restores_the_class_attribute_for_attribute(self, restore_patch):
-        cls = strategy_class(PATCHABLE[0])
+        cls = strategy_class(PATCHABLE_TRAINERS[0])
         shim.unpatch()
         pristine = dict(vars(cls))
         assert "restore_checkpoint_after_setup" not in pristine
@@ -159,12 +170,25 @@ class TestPatching:
         shim.unpatch()
         restored = dict(vars(cls))
         assert pristine.keys() == restored.keys() and all(pristine[k] is restored[k] for k in pristine)
-        assert shim.status()[PATCHABLE[0]].mode == "unpatched"
+        assert shim.status()[PATCHABLE_TRAINERS[0]].mode == "unpatched"
         shim.unpatch()  # idempotent
         assert dict(vars(cls)).keys() == pristine.keys()
 
+    def test_unpatch_restores_every_patched_class_of_every_flavour(self, restore_patch):
+        import importlib
+
+        classes = [getattr(importlib.import_module(module), name) for p in PATCHABLE for module, name in FLAVOURS[p].patched_classes]
+        shim.unpatch()
+        pristine = {cls: dict(vars(cls)) for cls in classes}
+        shim.patch()
+        assert all(dict(vars(cls)) != pristine[cls] for cls in classes)
+        shim.unpatch()
+        for cls, before in pristine.items():
+            after = dict(vars(cls))
+            assert before.keys() == after.keys() and all(before[k] is after[k] for k in before), cls
+
     def test_subclasses_get_the_behaviour_unless_they_override_it(self, restore_patch):
-        cls = strategy_class(PATCHABLE[0])
+        cls = strategy_class(PATCHABLE_TRAINERS[0])
         shim.unpatch()
 
         class Before(cls):
@@ -188,7 +212,7 @@ class TestPatching:
         assert Overriding().lightning_restore_optimizer is False
 
     def test_contract_properties_and_no_op_loaders(self):
-        for package in PATCHABLE:
+        for package in PATCHABLE_TRAINERS:
             strategy = strategy_class(package)()
             assert strategy._state_dict_type == "full"
             assert strategy.restore_checkpoint_after_setup is True
@@ -199,13 +223,13 @@ class TestPatching:
             assert checkpoint == {"state_dict": {"w": 1}, "optimizer_states": [{}]}
 
     def test_unknown_state_dict_type_fails_at_save(self, tmp_path):
-        strategy = strategy_class(PATCHABLE[0])(state_dict_type="bogus")
+        strategy = strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type="bogus")
         with pytest.raises(ValueError, match="Unknown state_dict_type: bogus"):
             strategy.save_checkpoint({}, tmp_path / "x.ckpt")
         assert not (tmp_path / "x.ckpt").exists()
 
     def test_storage_options_are_refused(self, tmp_path):
-        strategy = strategy_class(PATCHABLE[0])(state_dict_type="sharded")
+        strategy = strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type="sharded")
         with pytest.raises(TypeError, match="storage_options"):
             strategy.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
 
@@ -214,8 +238,8 @@ class TestPatching:
 
         monkeypatch.setattr(_torch_compat, "torch_release", lambda: (1, 13, 1))
         with pytest.raises(NotImplementedError, match=r"is not supported in PyTorch < 2\.0\. Please upgrade `torch`\."):
-            strategy_class(PATCHABLE[0])(state_dict_type="sharded")
-        assert strategy_class(PATCHABLE[0])(state_dict_type="full")._state_dict_type == "full"
+            strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type="sharded")
+        assert strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type="full")._state_dict_type == "full"
 
 
 @pytest.mark.parametrize(

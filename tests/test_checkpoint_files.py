@@ -10,9 +10,9 @@ import pytest
 from lightning_fsdp_resume import _atomic, _verify
 from lightning_fsdp_resume import _torch_compat as compat
 from states import file_hashes
-from test_activation import PATCHABLE, strategy_class
+from test_activation import PATCHABLE_TRAINERS, strategy_class
 
-needs_patch = pytest.mark.skipif(not PATCHABLE, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
+needs_patch = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def process_group(tmp_path_factory):
 
 
 def _strategy(kind: str):
-    strategy = strategy_class(PATCHABLE[0])(state_dict_type=kind)
+    strategy = strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type=kind)
     strategy.broadcast = lambda obj, src=0: obj  # one process: rank 0's value is everyone's
     strategy.barrier = lambda *args, **kwargs: None
     return strategy
@@ -183,7 +183,8 @@ def test_damaged_sharded_checkpoint_is_refused_untouched(tmp_path, process_group
         ("other directory", ValueError, "does not point to a valid checkpoint: the directory has neither 'meta.pt' nor the shard"),
         ("empty file", ValueError, "is empty"),
         ("text file", ValueError, "is not a checkpoint torch can read"),
-        ("list", ValueError, "is not a Lightning checkpoint: it has no 'state_dict'"),
+        ("list", ValueError, "holds a list, not a checkpoint's dict"),
+        ("dict without state_dict", ValueError, "is not a Lightning checkpoint: it has no 'state_dict'"),
     ],
 )
 def test_what_is_not_a_checkpoint_is_refused_with_its_path(tmp_path, what, error, message):
@@ -201,6 +202,8 @@ def test_what_is_not_a_checkpoint_is_refused_with_its_path(tmp_path, what, error
         path.write_text("not a checkpoint\n")
     elif what == "list":
         torch.save([1, 2, 3], path)
+    elif what == "dict without state_dict":
+        torch.save({"epoch": 1}, path)
     before = file_hashes(path) if path.exists() else None
     with pytest.raises(error, match=message) as refused:
         _strategy("full").load_checkpoint(path)

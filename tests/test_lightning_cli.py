@@ -12,7 +12,7 @@ import pytest
 from lightning_fsdp_resume.testing import cpu_fsdp_supported, disable_cpu_fsdp, enable_cpu_fsdp
 from ranks import EPOCHS, MID, PACKAGE, worker
 from states import assert_ranks_identical, load
-from test_activation import INSTALLED, PATCHABLE, strategy_class
+from test_activation import PATCHABLE_TRAINERS, TRAINERS, strategy_class
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,7 +38,7 @@ def _parsed_strategy(package: str, args):
     return cli.LightningCLI(model, run=False, args=[*args, *common], save_config_callback=None).trainer.strategy
 
 
-@pytest.mark.parametrize("package", sorted(INSTALLED))
+@pytest.mark.parametrize("package", TRAINERS)
 @pytest.mark.parametrize("form", ["yaml", "flags"])
 def test_lightning_cli_passes_state_dict_type_to_the_strategy(tmp_path, package, form):
     if form == "yaml":
@@ -50,7 +50,7 @@ def test_lightning_cli_passes_state_dict_type_to_the_strategy(tmp_path, package,
     assert strategy._state_dict_type == "sharded"
 
 
-@pytest.mark.parametrize("package", sorted(INSTALLED))
+@pytest.mark.parametrize("package", TRAINERS)
 def test_lightning_cli_refuses_an_unknown_state_dict_type_naming_the_choices(tmp_path, package, capsys):
     with pytest.raises(SystemExit):
         _parsed_strategy(package, ["--trainer.strategy=FSDPStrategy", "--trainer.strategy.state_dict_type=shard"])
@@ -58,15 +58,15 @@ def test_lightning_cli_refuses_an_unknown_state_dict_type_naming_the_choices(tmp
     assert "state_dict_type" in error and "sharded" in error and "full" in error, error[-2000:]
 
 
-@pytest.mark.parametrize("package", sorted(INSTALLED))
+@pytest.mark.parametrize("package", TRAINERS)
 def test_registry_names_give_the_strategy_with_its_default(package):
     trainer = importlib.import_module(package).Trainer(strategy="fsdp", accelerator="cpu", devices=1, logger=False)
     assert type(trainer.strategy) is strategy_class(package)
     assert trainer.strategy._state_dict_type == "full"
 
 
-@pytest.mark.skipif(not PATCHABLE, reason="no Lightning 2.0.x installed: nothing is patched")
-@pytest.mark.parametrize("package", PATCHABLE)
+@pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: nothing is patched")
+@pytest.mark.parametrize("package", PATCHABLE_TRAINERS)
 def test_the_patched_signature_lists_state_dict_type_and_keeps_the_rest(package):
     import lightning_fsdp_resume as shim
 

@@ -2,10 +2,10 @@
 Lightning 2.1 allows: Lightning 2.0.x's ``broadcast`` and ``barrier`` fail there, the shim skips them."""
 import pytest
 
-from test_activation import PATCHABLE, strategy_class
+from test_activation import PATCHABLE_TRAINERS, strategy_class
 from test_checkpoint_files import _checkpoint, saved_epoch
 
-pytestmark = pytest.mark.skipif(not PATCHABLE, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
+pytestmark = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def _strategy_with_model(kind: str):
 
     import torch
 
-    lightning = importlib.import_module(PATCHABLE[0])
+    lightning = importlib.import_module(PATCHABLE_TRAINERS[0])
 
     class Layer(lightning.LightningModule):
         def __init__(self) -> None:
@@ -30,7 +30,7 @@ def _strategy_with_model(kind: str):
 
     module = Layer()
     module.trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False)
-    strategy = strategy_class(PATCHABLE[0])(state_dict_type=kind)
+    strategy = strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type=kind)
     strategy._lightning_module = module
     strategy.model = module
     return strategy, module
@@ -41,7 +41,7 @@ def test_save_and_load_need_no_process_group(tmp_path, no_process_group, kind):
     import torch
 
     path = tmp_path / "one-process.ckpt"
-    strategy_class(PATCHABLE[0])(state_dict_type=kind).save_checkpoint(_checkpoint(3), path)
+    strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type=kind).save_checkpoint(_checkpoint(3), path)
     assert saved_epoch(path) == 3 and path.is_dir() == (kind == "sharded")
     strategy, module = _strategy_with_model(kind)
     loaded = strategy.load_checkpoint(path)

@@ -1,0 +1,302 @@
+"""The checkpointing native Fabric 2.1 gave its ``FSDPStrategy`` and ``Fabric``, for Lightning 2.0.x.
+
+Written as methods: ``self`` is the strategy (``save_checkpoint``, ``load_checkpoint``) or the ``Fabric``
+(``save``, ``load``, ``load_raw``). Nothing here knows about patching; the tables in ``_patches`` put these
+on the classes. Works for ``lightning.fabric`` and ``lightning_fabric`` alike. A sharded checkpoint holds
+each module and optimizer under the user's own key in ``torch.distributed.checkpoint`` files and everything
+else in ``meta.pt``; a full one is one file of the same entries.
+
+Fabric 2.0.x's base strategy gathered the full model on every rank, kept rank 0's optimizer shard only,
+failed to load the model and silently gave every rank rank 0's optimizer shard.
+"""
+import functools
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+
+from . import _checkpointing, _verify
+from . import _torch_compat as compat
+
+# Native Fabric 2.1 refuses FSDP checkpoints on torch < 2.0 at save and load, not in __init__.
+OLD_TORCH_ERROR = "Saving and loading checkpoints with the `FSDPStrategy` is not supported in PyTorch < 2.0. Please upgrade `torch`."
+
+
+def wrap_init(original_init: Callable) -> Callable:
+    """``FSDPStrategy(..., state_dict_type="sharded" | "full")``, ``"sharded"`` by default as in native Fabric 2.1
+    (the Trainer's default is ``"full"``)."""
+    return _checkpointing.wrap_init(original_init, default="sharded", old_torch_error=None)
+
+
+# --- the strategy ------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    self: Any, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
+    filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
+) -> None:
+    """Sharded: a directory with each module and optimizer under its key, plus ``meta.pt`` with the rest.
+    Full: one file gathered on rank 0. Either appears at ``path`` only once complete."""
+    from torch.nn import Module
+    from torch.optim import Optimizer
+
+    _refuse_old_torch()
+    if storage_options is not None:
+        raise TypeError(
+            "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported because"
+            " `FSDPStrategy` does not use the `CheckpointIO`."
+        )
+    full = _checkpointing.is_full(self)
+    if filter is not None and not full:
+        raise NotImplementedError(
+            "FSDP doesn't support loading sharded filtered checkpoints, so saving them is disabled."
+            " Save with `FSDPStrategy(state_dict_type='full')` to filter."
+        )
+    _, module = _the_fsdp_module(state, "save", path)
+    offload = _checkpointing.offload(module) if full else False
+    stored: Dict[str, Any] = {}
+    metadata: Dict[str, Any] = {}
+    for key, obj in state.items():
+        if isinstance(obj, Module):
+            converted, into = compat.model_state_dict(obj, full=full, offload=offload), stored
+        elif isinstance(obj, Optimizer):
+            converted, into = compat.optimizer_state_dict(module, obj, full=full, offload=offload), stored
+        else:
+            converted, into = (obj.state_dict() if _is_stateful(obj) else obj), metadata
+        _keep(key, (filter or {}).get(key), converted, into)
+    if full:
+        # Rank 0 alone holds the gathered entries; only it writes.
+        _checkpointing.write_full(self, path, lambda partial: compat.save_file({**stored, **metadata}, partial))
+    else:
+        _checkpointing.write_sharded(self, path, stored, metadata)
+
+
+def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True) -> Dict[str, Any]:
+    """Restore the module and optimizers of ``state`` into their shards, other stateful entries in place and
+    plain values by key; returns what the checkpoint holds beyond ``state``. ``state`` may be a module alone
+    (``Fabric.load_raw``): its weights from a full file."""
+    from torch.nn import Module
+    from torch.optim import Optimizer
+
+    _refuse_old_torch()
+    if not state:
+        raise ValueError(
+            f"Got FSDPStrategy.load_checkpoint(..., state={state!r}) but a state with at least  a model instance to"
+            " reload is required. Pass it in like so: FSDPStrategy.load_checkpoint(..., state={'model': model, ...})"
+        )
+    # Every rank loads what rank 0 names, so all shards come from one checkpoint.
+    path = Path(_checkpointing.broadcast(self, str(path)))
+    if isinstance(state, Module):
+        _load_raw_module(self, path, state, strict)
+        return {}
+    if isinstance(state, Optimizer):
+        raise NotImplementedError(
+            "Loading a single optimizer object from a checkpoint is not supported yet with the FSDP strategy."
+            f" Load it with its model: `fabric.load({str(path)!r}, {{'model': model, 'optimizer': optimizer}})`."
+        )
+    module_key, module = _the_fsdp_module(state, "load", path)
+    optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
+    other_keys = [key for key in state if key != module_key and key not in optimizer_keys]
+    # Rank 0 checks the files and the requested keys; every rank raises its verdict, so none waits in a collective.
+    kind, entries = _checkpointing.decided_on_rank_zero(
+        self, _checked, path, module_key, optimizer_keys + other_keys, strict
+    )
+    restore = _checkpointing.Restore(
+        module=module,
+        prefix="",  # Fabric wraps the FSDP module from outside: its names are the user's
+        module_key=module_key,
+        optimizers={key: state[key] for key in optimizer_keys if key in entries},
+        strict=strict,
+        use_orig_params=bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False)),
+    )
+    if kind == _verify.SHARDED:
+        _checkpointing.load_sharded(path, restore, compat.read_shard_index(path))
+        remainder = _verify.read_meta(path)
+    else:
+        remainder = _verify.read_full(path, required=None)
+        optimizer_states = {key: remainder.pop(key) for key in restore.optimizers}
+        _checkpointing.load_full(self, path, restore, remainder.pop(module_key), optimizer_states)
+    for key in other_keys:
+        if key in remainder:
+            _put(state, key, remainder.pop(key))
+    return remainder
+
+
+def _load_raw_module(self: Any, path: Path, module: Any, strict: bool) -> None:
+    """``Fabric.load_raw(path, module)``: a file holding the module's state dict, loaded into its shards."""
+    kind = _checkpointing.decided_on_rank_zero(self, _verify.checkpoint_kind, path)
+    if kind != _verify.FULL:
+        raise ValueError(
+            "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
+            f" full state dict: {path}. It is a sharded checkpoint directory: load it with"
+            " `fabric.load(path, {'model': model})` instead."
+        )
+    restore = _checkpointing.Restore(module=module, prefix="", module_key="", optimizers={}, strict=strict, use_orig_params=False)
+    _checkpointing.load_full(self, path, restore, _verify.read_full(path, required=None), {})
+
+
+def _checked(path: Path, module_key: str, requested: List[str], strict: bool) -> Tuple[str, Set[str]]:
+    """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
+    kind = _verify.checkpoint_kind(path)
+    entries = _verify.checkpoint_entries(path, kind)
+    missing = [key for key in [module_key, *requested] if key not in entries]
+    if module_key in missing or (strict and missing):
+        raise KeyError(
+            f"The requested state contains a key '{missing[0]}' that does not exist in the loaded checkpoint."
+            f" To disable strict loading, set `strict=False`. (Checkpoint: {str(path)!r}, which holds"
+            f" {', '.join(sorted(entries))}.)"
+        )
+    return kind, entries
+
+
+def _the_fsdp_module(state: Mapping[str, Any], verb: str, path: Any) -> Tuple[str, Any]:
+    """The one entry of ``state`` that is (or holds) an FSDP module, and its key."""
+    modules = [(key, obj) for key, obj in state.items() if _has_fsdp_modules(obj)]
+    if not modules:
+        raise ValueError(
+            "Could not find a FSDP model in the provided checkpoint state. Please provide the model as"
+            f" part of the state like so: `{verb}_checkpoint(..., state={{'model': model, ...}})`. Make sure"
+            f" you set up the model (and optimizers if any) through the strategy before {verb}ing the checkpoint."
+            f" (Checkpoint: {str(path)!r}.)"
+        )
+    if len(modules) > 1:
+        raise ValueError(
+            f"Found multiple FSDP models in the given state. {verb.capitalize()}ing checkpoints with FSDP is"
+            " currently limited to a single model per checkpoint. To {0} multiple models, call the {0} method for"
+            " each model separately with a different path.".format(verb)
+            + f" (Checkpoint: {str(path)!r}; FSDP models under {', '.join(repr(key) for key, _ in modules)}.)"
+        )
+    return modules[0]
+
+
+def _has_fsdp_modules(obj: Any) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn import Module
+
+    return isinstance(obj, Module) and any(isinstance(module, FullyShardedDataParallel) for module in obj.modules())
+
+
+def _is_stateful(obj: Any) -> bool:
+    """Fabric's stateful protocol: ``state_dict()`` and ``load_state_dict()`` (an LR scheduler, say)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _keep(key: str, keep: Optional[Callable[[str, Any], bool]], converted: Any, into: Dict[str, Any]) -> None:
+    """``into[key] = converted``, or with ``fabric.save(filter=...)`` only the items of ``converted`` it keeps."""
+    if keep is None or not isinstance(converted, dict):
+        into[key] = converted
+        return
+    kept = {name: value for name, value in converted.items() if keep(name, value)}
+    if kept:
+        into[key] = kept
+
+
+def _put(state: Dict[str, Any], key: str, value: Any) -> None:
+    """Restore a stateful object in place; replace a plain value. (Native 2.1.4's sharded load replaces a
+    stateful object, an LR scheduler say, with its state dict.)"""
+    if _is_stateful(state.get(key)):
+        state[key].load_state_dict(value)
+    else:
+        state[key] = value
+
+
+def _refuse_old_torch() -> None:
+    if not compat.supports_sharded_checkpoints():
+        raise NotImplementedError(OLD_TORCH_ERROR)
+
+
+# --- Fabric: the new arguments reach a strategy that takes them ------------------------------------------------
+
+
+def wrap_save(original_save: Callable) -> Callable:
+    """``Fabric.save(path, state, filter=None)``: Fabric 2.0.x has no ``filter``."""
+
+    @functools.wraps(original_save)
+    def save(self: Any, path: Any, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        _check_filter(filter, state)
+        if not _takes(self._strategy.save_checkpoint, "filter"):
+            if filter is not None:
+                raise NotImplementedError(_only_fsdp(self, "save(..., filter=...)"))
+            return original_save(self, path, state)
+        self._strategy.save_checkpoint(path=path, state=_unwrap(self, state), filter=filter)
+        self.barrier()
+        return None
+
+    save.__signature__ = _with_keyword(original_save, "filter", None, Optional[Dict[str, Callable[[str, Any], bool]]])  # type: ignore[attr-defined]
+    return save
+
+
+def wrap_load(original_load: Callable) -> Callable:
+    """``Fabric.load(path, state=None, strict=True)``: Fabric 2.0.x has no ``strict`` and hands the FSDP
+    strategy the wrapped module; non-stateful entries of ``state`` are updated in the caller's dict."""
+
+    @functools.wraps(original_load)
+    def load(self: Any, path: Any, state: Optional[Dict[str, Any]] = None, strict: bool = True) -> Dict[str, Any]:
+        if not _takes(self._strategy.load_checkpoint, "strict"):
+            if not strict:
+                raise NotImplementedError(_only_fsdp(self, "load(..., strict=False)"))
+            return original_load(self, path, state)
+        unwrapped = _unwrap(self, state)
+        remainder = self._strategy.load_checkpoint(path=path, state=unwrapped, strict=strict)
+        self.barrier()
+        if state is not None:
+            # Unwrapping made a new dict: plain values loaded into it go back into the caller's.
+            for key, value in unwrapped.items():
+                if _unwrap(self, state[key]) is state[key]:
+                    state[key] = value
+        return remainder
+
+    load.__signature__ = _with_keyword(original_load, "strict", True, bool)  # type: ignore[attr-defined]
+    return load
+
+
+def load_raw(self: Any, path: Any, obj: Any, strict: bool = True) -> None:
+    """``Fabric.load_raw``: a module's or optimizer's own state dict from one file (saved without Fabric)."""
+    obj = _unwrap(self, obj)
+    if _takes(self._strategy.load_checkpoint, "strict"):
+        self._strategy.load_checkpoint(path=path, state=obj, strict=strict)
+        return
+    from torch.nn import Module
+
+    state = compat.load_file(Path(path), lazy=False)  # other strategies of 2.0.x: what native 2.1's base one does
+    if isinstance(obj, Module):
+        obj.load_state_dict(state, strict=strict)
+    else:
+        obj.load_state_dict(state)
+
+
+def _check_filter(filter: Any, state: Dict[str, Any]) -> None:
+    if filter is None:
+        return
+    if not isinstance(filter, dict):
+        raise TypeError(f"Filter should be a dictionary, given {filter!r}")
+    if not set(filter).issubset(state):
+        raise ValueError(f"The filter keys {filter.keys() - state} are not present in the state keys {set(state)}.")
+    for key, keep in filter.items():
+        if not callable(keep):
+            raise TypeError(f"Expected `fabric.save(filter=...)` for key {key!r} to be a callable, given {keep!r}")
+
+
+def _takes(method: Callable, argument: str) -> bool:
+    """Whether a strategy method takes ``argument``: the patched FSDP strategy's do, 2.0.x's others do not."""
+    return argument in inspect.signature(method).parameters
+
+
+def _only_fsdp(fabric: Any, call: str) -> str:
+    return (
+        f"`fabric.{call}` needs Lightning 2.1; on Lightning 2.0.x lightning_fsdp_resume adds it to `FSDPStrategy`"
+        f" only, and this Fabric uses `{type(fabric._strategy).__name__}`."
+    )
+
+
+def _unwrap(fabric: Any, obj: Any) -> Any:
+    """``obj`` (or a collection of them) without Fabric's wrappers, by the namespace's own ``_unwrap_objects``."""
+    for klass in type(fabric).__mro__:
+        if klass.__name__ == "Fabric" and klass.__module__.endswith(".fabric"):
+            wrappers = importlib.import_module(klass.__module__[: -len("fabric")] + "wrappers")
+            return wrappers._unwrap_objects(obj)
+    raise TypeError(f"{type(fabric).__qualname__} is not a Fabric")
+
+
+def _with_keyword(original: Callable, name: str, default: Any, annotation: Any) -> inspect.Signature:
+    return _checkpointing.with_keyword(inspect.signature(original), name, default, annotation)
