@@ -1,0 +1,98 @@
+"""Fabric's patched classes in one process: signatures, argument checks, native errors, and the strategies
+the new arguments do not reach. The multi-rank behaviour is in test_fabric_multirank.py."""
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from lightning_fsdp_resume import _versions
+from test_activation import FLAVOURS, PATCHABLE
+
+PATCHABLE_FABRICS = [p for p in PATCHABLE if FLAVOURS[p].kind == _versions.FABRIC]
+pytestmark = pytest.mark.skipif(not PATCHABLE_FABRICS, reason="no Fabric 2.0.x installed: nothing of Fabric is patched")
+PACKAGE = PATCHABLE_FABRICS[0] if PATCHABLE_FABRICS else None
+
+
+def _fabric_module(name: str):
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
+@pytest.fixture
+def fabric():
+    """A one-device Fabric on the CPU: its strategy is not FSDP."""
+    return _fabric_module("fabric").Fabric(accelerator="cpu", devices=1)
+
+
+@pytest.mark.parametrize("package", PATCHABLE_FABRICS)
+def test_signatures_list_the_new_arguments(package):
+    fabric = importlib.import_module(f"{package}.fabric").Fabric
+    strategy = importlib.import_module(f"{package}.strategies.fsdp").FSDPStrategy
+    assert inspect.signature(fabric.save).parameters["filter"].default is None
+    assert inspect.signature(fabric.load).parameters["strict"].default is True
+    assert list(inspect.signature(fabric.load_raw).parameters) == ["self", "path", "obj", "strict"]
+    parameter = inspect.signature(strategy).parameters["state_dict_type"]
+    assert (parameter.default, parameter.kind) == ("sharded", inspect.Parameter.KEYWORD_ONLY)
+    assert strategy()._state_dict_type == "sharded" and strategy(state_dict_type="full")._state_dict_type == "full"
+
+
+def test_filter_is_checked_as_native_checks_it(fabric, tmp_path):
+    state = {"model": torch.nn.Linear(2, 2)}
+    with pytest.raises(TypeError, match="Filter should be a dictionary, given"):
+        fabric.save(tmp_path / "x.ckpt", state, filter=lambda k, v: True)
+    with pytest.raises(ValueError, match=r"The filter keys \{'other'\} are not present in the state keys"):
+        fabric.save(tmp_path / "x.ckpt", state, filter={"other": lambda k, v: True})
+    with pytest.raises(TypeError, match=r"Expected `fabric.save\(filter=...\)` for key 'model' to be a callable"):
+        fabric.save(tmp_path / "x.ckpt", state, filter={"model": 1})
+    assert not list(tmp_path.iterdir())
+
+
+def test_other_strategies_keep_2_0_behaviour_and_refuse_the_new_arguments(fabric, tmp_path):
+    model = torch.nn.Linear(2, 2)
+    path = tmp_path / "single.ckpt"
+    fabric.save(path, {"model": model, "step": 3})
+    state = {"model": torch.nn.Linear(2, 2)}
+    remainder = fabric.load(path, state)
+    assert torch.equal(state["model"].weight, model.weight) and remainder == {"step": 3}
+    with pytest.raises(NotImplementedError, match=r"fabric.save\(..., filter=...\)` needs Lightning 2.1.*SingleDeviceStrategy"):
+        fabric.save(path, {"model": model}, filter={"model": lambda k, v: True})
+    with pytest.raises(NotImplementedError, match=r"fabric.load\(..., strict=False\)` needs Lightning 2.1"):
+        fabric.load(path, {"model": model}, strict=False)
+
+
+def test_load_raw_with_another_strategy_loads_the_state_dict(fabric, tmp_path):
+    saved = torch.nn.Linear(3, 2)
+    torch.save(saved.state_dict(), tmp_path / "raw.pt")
+    model = fabric.setup_module(torch.nn.Linear(3, 2))
+    fabric.load_raw(tmp_path / "raw.pt", model)
+    assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
+
+
+class TestStrategyRefusals:
+    """The native errors that need no FSDP module, raised by the strategy itself in one process."""
+
+    @pytest.fixture
+    def strategy(self):
+        return _fabric_module("strategies.fsdp").FSDPStrategy()
+
+    def test_a_state_without_an_fsdp_module_is_refused(self, strategy, tmp_path):
+        with pytest.raises(ValueError, match=r"^Could not find a FSDP model in the provided checkpoint state.*x\.ckpt"):
+            strategy.save_checkpoint(tmp_path / "x.ckpt", {"model": torch.nn.Linear(2, 2)})
+        assert not list(tmp_path.iterdir())
+
+    def test_storage_options_and_sharded_filters_are_refused(self, strategy, tmp_path):
+        with pytest.raises(TypeError, match="storage_options"):
+            strategy.save_checkpoint(tmp_path / "x.ckpt", {}, storage_options={"a": 1})
+        with pytest.raises(NotImplementedError, match="^FSDP doesn't support loading sharded filtered checkpoints"):
+            strategy.save_checkpoint(tmp_path / "x.ckpt", {}, filter={"model": lambda k, v: True})
+
+    def test_an_empty_state_and_an_optimizer_alone_are_refused(self, strategy, tmp_path):
+        with pytest.raises(ValueError, match=r"^Got FSDPStrategy.load_checkpoint\(..., state=\{\}\) but a state with at least"):
+            strategy.load_checkpoint(tmp_path / "x.ckpt", {})
+        optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        with pytest.raises(NotImplementedError, match="^Loading a single optimizer object from a checkpoint is not supported"):
+            strategy.load_checkpoint(tmp_path / "x.ckpt", optimizer)
+
+    def test_load_raw_of_a_missing_path_says_it_is_not_a_checkpoint(self, strategy, tmp_path):
+        with pytest.raises(ValueError, match=r"'.*nowhere' does not point to a valid checkpoint: it does not exist"):
+            strategy.load_checkpoint(tmp_path / "nowhere", torch.nn.Linear(2, 2))
