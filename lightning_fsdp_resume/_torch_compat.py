@@ -61,6 +61,11 @@ def _legacy_context(model: Any, full: bool, offload: bool, rank0_only: bool) -> 
         ShardedStateDictConfig,
     )
 
+    if not FSDP.fsdp_modules(model):
+        # No FSDP unit (a plain module beside the FSDP one in Fabric's state, or one process without a
+        # process group): its own state dict is the full one. FSDP.state_dict_type raises KeyError there.
+        yield
+        return
     if full:
         kind = StateDictType.FULL_STATE_DICT
         config = FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)

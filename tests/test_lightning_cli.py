@@ -8,6 +8,7 @@ import inspect
 import os
 
 import pytest
+import torch
 
 from lightning_fsdp_resume.testing import cpu_fsdp_supported, disable_cpu_fsdp, enable_cpu_fsdp
 from ranks import EPOCHS, MID, PACKAGE, worker
@@ -33,7 +34,14 @@ def _config(path, package: str, state_dict_type: str, **trainer) -> str:
 def _parsed_strategy(package: str, args):
     """The strategy of the Trainer LightningCLI builds from ``args``, without running anything."""
     cli = importlib.import_module(f"{package}.cli")
-    model = importlib.import_module(f"{package}.demos.boring_classes").BoringModel
+    lightning = importlib.import_module(package)
+
+    class Tiny(lightning.LightningModule):  # pytorch_lightning 2.0.9's demos import requests, not a dependency
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+    model = Tiny
     common = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false"]
     return cli.LightningCLI(model, run=False, args=[*args, *common], save_config_callback=None).trainer.strategy
 
