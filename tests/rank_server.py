@@ -124,11 +124,27 @@ def _stop(children, codes, stopped, why: str) -> None:
             pass
 
 
+def _import_what_enable_cpu_fsdp_patches() -> None:
+    """Every rank calls ``testing.enable_cpu_fsdp()``, which imports the connectors of every installed flavour,
+    the one under test or not (``pytorch_lightning`` beside ``lightning``: about 4 s on 2 cores): import them here,
+    once. Importing patches nothing."""
+    import importlib
+
+    from lightning_fsdp_resume.testing import _gpu_only_checks
+
+    for module, _, _ in _gpu_only_checks():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+
+
 def main() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the imports print goes to stderr, not into the replies
     import fsdp_worker  # torch, the Lightning flavour under test and the shim
 
+    _import_what_enable_cpu_fsdp_patches()
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in sys.stdin:
