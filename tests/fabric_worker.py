@@ -160,6 +160,8 @@ def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
     sharded = run.args.state_dict_type == "sharded"
     scratch.mkdir(parents=True, exist_ok=True)
     (scratch / "empty-dir").mkdir(exist_ok=True)
+    (scratch / "plain-dir").mkdir(exist_ok=True)  # a directory that holds no checkpoint, but holds something
+    (scratch / "plain-dir" / "notes.txt").write_text("not a checkpoint")
     calls = {
         "save-without-model": lambda: fabric.save(scratch / "no-model.ckpt", {"optimizer": optimizer, "epoch": 0}),
         "load-without-model": lambda: fabric.load(checkpoint, {"optimizer": optimizer}),
@@ -181,7 +183,7 @@ def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
                                                              filter={"model": lambda k, v: True})
         calls["load-raw-sharded"] = lambda: fabric.load_raw(checkpoint, model)
     else:
-        calls["save-full-onto-directory"] = lambda: fabric.save(scratch / "empty-dir", {"model": model})
+        calls["save-full-onto-directory"] = lambda: fabric.save(scratch / "plain-dir", {"model": model})
     raised = {}
     for name, call in calls.items():
         try:

@@ -257,6 +257,8 @@ def test_load_raw_of_a_sharded_checkpoint_is_refused(refusals):
 
 
 def test_full_save_onto_a_directory_is_refused(refusals):
+    """A directory holding something that is no checkpoint. (Native refuses an empty one too; the shim's saves
+    may replace an empty directory, as its Trainer saves do.)"""
     _assert_refused(refusals, "full", "save-full-onto-directory", "IsADirectoryError",
                     "The checkpoint path exists and is a directory: ")
 
