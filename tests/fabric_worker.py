@@ -130,7 +130,9 @@ class Run:
         local["scheduler"] = self.scheduler.state_dict()
         full = {"params": records.full_weights(root, root), "optim": [records.full_optimizer_state(root, optimizer)]}
         info = {"epoch": self.epoch, "step": self.step, "loss": self.loss, "last_epoch": self.scheduler.last_epoch,
-                "last_lr": self.scheduler.get_last_lr(), **info}
+                "last_lr": self.scheduler.get_last_lr(),
+                # what the optimizer Fabric returned shows, which the scheduler steps
+                "fabric_optimizer_lr": [group["lr"] for group in self.optimizer.param_groups], **info}
         records.write(self.args.out, name, self.fabric.global_rank, local, info, full)
 
     def save_filter(self):

@@ -127,6 +127,20 @@ def test_scheduler_is_restored_in_place(fabric_reference, resumed, state_dict_ty
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_the_optimizer_fabric_returned_sees_the_loaded_state(fabric_reference, resumed, state_dict_type):
+    """Fabric loads into the optimizer its wrapper holds; the wrapper, which the scheduler was made on, shows the
+    loaded learning rate, and each scheduler step reaches the optimizer that trains."""
+    ref, run = fabric_reference(state_dict_type), resumed(state_dict_type)
+    for rank in (0, 1):
+        saved = load(ref / "out" / f"epoch{RESUME_EPOCH}_rank{rank}.pt")["optim"][0]["param_groups"]
+        assert info(run / "out", "start", rank)["fabric_optimizer_lr"] == [group["lr"] for group in saved]
+        for epoch in range(RESUME_EPOCH + 1, EPOCHS):
+            expected = load(ref / "out" / f"epoch{epoch}_rank{rank}.pt")["optim"][0]["param_groups"]
+            actual = load(run / "out" / f"epoch{epoch}_rank{rank}.pt")["optim"][0]["param_groups"]
+            assert [g["lr"] for g in actual] == [g["lr"] for g in expected], f"rank {rank}: learning rate after epoch {epoch}"
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 def test_plain_values_are_updated_in_the_callers_dict(resumed, state_dict_type):
     for rank in (0, 1):
         restored = info(resumed(state_dict_type) / "out", "start", rank)
