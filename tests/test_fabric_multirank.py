@@ -76,7 +76,8 @@ def refusals(fabric_reference, tmp_path_factory):
 
 
 def _assert_refused(refusals, state_dict_type: str, call: str, error: str, words: str) -> None:
-    """Every rank raised ``error`` (or a subclass), its message starting with native Fabric 2.1.4's ``words``."""
+    """Every rank raised ``error`` (or a subclass), its message starting with native Fabric 2.1.4's ``words`` (the
+    shim may say more after them)."""
     for rank in (0, 1):
         raised = refusals(state_dict_type, call, rank)
         assert error in raised["bases"], f"rank {rank}: {call} raised {raised}"
@@ -174,7 +175,8 @@ def test_not_strict_loads_the_rest_when_a_requested_key_is_missing(fabric_refere
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 def test_strict_refuses_a_requested_key_missing_from_the_checkpoint(refusals, state_dict_type):
     _assert_refused(refusals, state_dict_type, "load-strict-missing-key", "KeyError",
-                    "The requested state contains a key 'missing' that does not exist in the loaded checkpoint.")
+                    "The requested state contains a key 'missing' that does not exist in the loaded checkpoint."
+                    " To disable strict loading, set `strict=False`.")
 
 
 # --- load_raw and filter -----------------------------------------------------------------------------------
@@ -208,7 +210,7 @@ def test_filter_is_refused_for_sharded_saves(refusals):
     ("filter-not-a-dict", "TypeError", "Filter should be a dictionary, given "),
     ("filter-unknown-key", "ValueError", "The filter keys {'nope'} are not present in the state keys {'model'}."),
     ("filter-not-callable", "TypeError", "Expected `fabric.save(filter=...)` for key 'model' to be a callable, given 1"),
-])
+], ids=["not-a-dict", "unknown-key", "not-callable"])
 def test_save_checks_the_filter(refusals, call, error, words):
     _assert_refused(refusals, "sharded", call, error, words)
 
@@ -220,21 +222,27 @@ def test_save_checks_the_filter(refusals, call, error, words):
 def test_saving_a_state_without_an_fsdp_model_is_refused(refusals, state_dict_type):
     _assert_refused(refusals, state_dict_type, "save-without-model", "ValueError",
                     "Could not find a FSDP model in the provided checkpoint state. Please provide the model as part of the"
-                    " state like so: `save_checkpoint(..., state={'model': model, ...})`.")
+                    " state like so: `save_checkpoint(..., state={'model': model, ...})`. Make sure you set up the model"
+                    " (and optimizers if any) through the strategy before saving the checkpoint.")
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 def test_loading_into_a_state_without_an_fsdp_model_is_refused(refusals, state_dict_type):
     _assert_refused(refusals, state_dict_type, "load-without-model", "ValueError",
                     "Could not find a FSDP model in the provided checkpoint state. Please provide the model as part of the"
-                    " state like so: `load_checkpoint(..., state={'model': model, ...})`.")
+                    " state like so: `load_checkpoint(..., state={'model': model, ...})`. Make sure you set up the model"
+                    " (and optimizers if any) through the strategy before loading the checkpoint.")
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 @pytest.mark.parametrize("call,words", [
-    ("save-two-models", "Found multiple FSDP models in the given state. Saving checkpoints with FSDP is currently limited"),
-    ("load-two-models", "Found multiple FSDP models in the given state. Loading checkpoints with FSDP is currently limited"),
-])
+    ("save-two-models", "Found multiple FSDP models in the given state. Saving checkpoints with FSDP is currently limited to a"
+                        " single model per checkpoint. To save multiple models, call the save method for each model"
+                        " separately with a different path."),
+    ("load-two-models", "Found multiple FSDP models in the given state. Loading checkpoints with FSDP is currently limited to a"
+                        " single model per checkpoint. To load multiple models, call the load method for each model"
+                        " separately with a different path."),
+], ids=["save", "load"])
 def test_several_fsdp_models_are_refused(refusals, state_dict_type, call, words):
     _assert_refused(refusals, state_dict_type, call, "ValueError", words)
 
@@ -251,7 +259,7 @@ def test_loading_into_an_empty_state_is_refused(refusals, state_dict_type, call,
     # native's words, with its double space
     _assert_refused(refusals, state_dict_type, call, "ValueError",
                     f"Got FSDPStrategy.load_checkpoint(..., state={given}) but a state with at least  a model instance to"
-                    " reload is required.")
+                    " reload is required. Pass it in like so: FSDPStrategy.load_checkpoint(..., state={'model': model, ...})")
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
