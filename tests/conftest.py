@@ -29,6 +29,23 @@ def reference(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def fabric_reference(tmp_path_factory):
+    """Uninterrupted 2-rank Fabric runs, one per ``state_dict_type``, made on first use and shared by the tests."""
+    from ranks import EPOCHS, fabric_config, fabric_worker
+
+    runs = {}
+
+    def get(state_dict_type: str) -> Path:
+        if state_dict_type not in runs:
+            root = tmp_path_factory.mktemp(f"fabric-ref-{state_dict_type}")
+            fabric_worker(root, *fabric_config(root, state_dict_type), "--epochs", EPOCHS)
+            runs[state_dict_type] = root
+        return runs[state_dict_type]
+
+    return get
+
+
 def pytest_terminal_summary(terminalreporter):
     """Where tox asks for it, write this run's versions, shim modes and counts for the matrix table."""
     target = os.environ.get(RESULTS_ENV)

@@ -24,6 +24,8 @@ else:
     from pytorch_lightning.strategies import FSDPStrategy
 
 import lightning_fsdp_resume  # noqa: F401,E402  (the one-line activation under test)
+import records  # noqa: E402
+from faults import kill_during_saves  # noqa: E402
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_cpu_fsdp, leave_process_group
 
 
@@ -137,19 +139,14 @@ class Recorder(Callback):
 
     def dump(self, trainer, name: str) -> None:
         rank = trainer.global_rank
-        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        buffers = {n: b.detach().clone() for n, b in trainer.model.named_buffers()}
-        optims = [o.state_dict() for o in trainer.strategy.optimizers]
-        torch.save({"params": params, "buffers": buffers, "optim": optims}, self.out / f"{name}_rank{rank}.pt")
-        full = full_weights(trainer)
-        full_optims = None  # left out where torch cannot gather it on the CPU (torch 2.2, use_orig_params)
+        local = records.local_state(trainer.model, trainer.strategy.optimizers)
+        full = {"params": full_weights(trainer), "optim": None}
+        # the optimizer state is left out where torch cannot gather it on the CPU (torch 2.2, use_orig_params)
         use_orig_params = getattr(trainer.strategy, "kwargs", {}).get("use_orig_params", False)
         if cpu_optimizer_state_supported(use_orig_params)[0]:
-            full_optims = [full_optimizer_state(trainer, o) for o in trainer.strategy.optimizers]
-        if rank == 0:
-            torch.save({"params": full, "optim": full_optims}, self.out / f"full_{name}.pt")
-        info = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "optimizers": len(optims)}
-        (self.out / f"info_{name}_rank{rank}.json").write_text(json.dumps(info))
+            full["optim"] = [full_optimizer_state(trainer, o) for o in trainer.strategy.optimizers]
+        info = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "optimizers": len(local["optim"])}
+        records.write(self.out, name, rank, local, info, full)
 
     def on_train_start(self, trainer, pl_module):
         self.dump(trainer, "start")
@@ -187,10 +184,7 @@ def full_weights(trainer):
     module = trainer.lightning_module
     if not isinstance(trainer.strategy, FSDPStrategy):
         return {n: p.detach().clone() for n, p in module.named_parameters()}
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    with FSDP.summon_full_params(trainer.model, writeback=False):
-        return {_clean(n): p.detach().clone() for n, p in module.named_parameters()}
+    return records.full_weights(trainer.model, module)
 
 
 def full_optimizer_state(trainer, optimizer):
@@ -199,67 +193,7 @@ def full_optimizer_state(trainer, optimizer):
         names = [n for n, _ in trainer.lightning_module.named_parameters()]
         state = optimizer.state_dict()
         return {names[i]: v for i, v in state["state"].items()}
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    state = FSDP.optim_state_dict(trainer.model, optimizer)  # FSDP's default: full, on every rank
-    return {_clean(name): v for name, v in state["state"].items()}
-
-
-def kill_during_saves(strategy, point: str, rank: int, save: int) -> None:
-    """Fault injection: SIGKILL ``rank`` at ``point`` of the ``save``-th checkpoint save of this process.
-
-    Points: ``before-shards`` (nothing written yet), ``mid-shards`` (after this rank's shard file),
-    ``after-shards`` (shards done, ``meta.pt`` not written), ``before-publish`` (complete, not yet in
-    place), ``after-publish`` (in place, replaced checkpoint not yet removed); ``mid-file`` for full saves
-    (half of the file written).
-    """
-    import signal
-
-    from lightning_fsdp_resume import _atomic
-    from lightning_fsdp_resume import _torch_compat as compat
-
-    saves = [0]
-    original_save = strategy.save_checkpoint
-
-    def counting_save(*args, **kwargs):
-        saves[0] += 1
-        return original_save(*args, **kwargs)
-
-    strategy.save_checkpoint = counting_save
-
-    def die(where: str) -> None:
-        if where == point and strategy.global_rank == rank and saves[0] == save:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def around(owner, name, before, after):
-        original = getattr(owner, name)
-
-        def wrapped(*args, **kwargs):
-            die(before)
-            result = original(*args, **kwargs)
-            die(after)
-            return result
-
-        setattr(owner, name, wrapped)
-
-    import torch.distributed.checkpoint.filesystem as fs
-
-    around(compat, "save_distributed", "before-shards", "after-shards")
-    around(fs.FileSystemWriter, "write_data", "", "mid-shards")
-    around(_atomic, "publish", "before-publish", "after-publish")
-
-    original_save_file = strategy.checkpoint_io.save_checkpoint
-
-    def half_then_die(checkpoint, path, storage_options=None):
-        if point == "mid-file" and strategy.global_rank == rank and saves[0] == save:
-            original_save_file(checkpoint, path)
-            with open(path, "r+b") as handle:
-                handle.truncate(os.path.getsize(path) // 2)
-            die("mid-file")
-        return original_save_file(checkpoint, path)
-
-    strategy.checkpoint_io.save_checkpoint = half_then_die
+    return records.full_optimizer_state(trainer.model, optimizer)
 
 
 def trace_meta_writes(log: Path) -> None:
@@ -274,11 +208,6 @@ def trace_meta_writes(log: Path) -> None:
         return original(obj, path)
 
     compat.save_file = traced
-
-
-def _clean(name: str) -> str:
-    """A parameter name as the LightningModule itself has it, without FSDP's or Lightning 2.0.x's wrappers."""
-    return name.replace("_fsdp_wrapped_module.", "").replace("_forward_module.", "")
 
 
 class CliNet(Net):

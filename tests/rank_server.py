@@ -8,9 +8,10 @@ variables, meeting over gloo on the loopback interface. As under torchrun, the f
 the others down with it. The output names the exit code of each rank that ended by itself (``-9`` for
 SIGKILL) and says which ones the server stopped.
 
-``ranks.torchrun`` talks to it in JSON lines: a request ``{"args", "nproc", "logs", "timeout"}`` on
-stdin, a reply ``{"codes", "output"}`` on stdout. ``LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun``
-makes the tests launch with torchrun instead.
+It serves both rank programs, the Trainer's (``fsdp_worker``) and Fabric's (``fabric_worker``), each
+imported once at start. ``ranks.py`` talks to it in JSON lines: a request ``{"worker", "args", "nproc",
+"logs", "timeout"}`` on stdin, a reply ``{"codes", "output"}`` on stdout.
+``LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun`` makes the tests launch with torchrun instead.
 """
 import json
 import os
@@ -124,16 +125,35 @@ def _stop(children, codes, stopped, why: str) -> None:
             pass
 
 
+def _import_what_enable_cpu_fsdp_patches() -> None:
+    """Every rank calls ``testing.enable_cpu_fsdp()``, which imports the connectors of every installed flavour,
+    the one under test or not (``pytorch_lightning`` beside ``lightning``: about 4 s on 2 cores): import them here,
+    once. Importing patches nothing."""
+    import importlib
+
+    from lightning_fsdp_resume.testing import _gpu_only_checks
+
+    for module, _, _ in _gpu_only_checks():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+
+
 def main() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the imports print goes to stderr, not into the replies
-    import fsdp_worker  # torch, the Lightning flavour under test and the shim
+    import fabric_worker  # torch, the Lightning flavour and Fabric under test, and the shim
+    import fsdp_worker
 
+    workers = {worker.__name__: worker for worker in (fsdp_worker, fabric_worker)}
+    _import_what_enable_cpu_fsdp_patches()
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in sys.stdin:
         request = json.loads(line)
-        reply = launch(fsdp_worker, request["args"], request["nproc"], request["logs"], request["timeout"])
+        worker = workers[request["worker"]]
+        reply = launch(worker, request["args"], request["nproc"], request["logs"], request["timeout"])
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 

@@ -11,7 +11,8 @@ from typing import Sequence
 import pytest
 
 HERE = Path(__file__).parent
-WORKER = HERE / "fsdp_worker.py"
+WORKER = HERE / "fsdp_worker.py"  # the Trainer's rank program
+FABRIC_WORKER = HERE / "fabric_worker.py"  # Fabric's
 TIMEOUT_S = 300
 # Runs that are several torchrun launches of their own (the two-node run, the benchmark's smoke run)
 # are made in one environment of the matrix, for time: tox sets this there.
@@ -57,7 +58,7 @@ def torchrun(script: Path, args: Sequence[str], nproc: int = 2, env=None, expect
     return _run(command + [str(a) for a in args], env, expect_failure)
 
 
-# The worker's launches are forks of the rank server (rank_server.py): the same ranks, environment and
+# The workers' launches are forks of the rank server (rank_server.py): the same ranks, environment and
 # failure handling as torchrun, without importing Lightning anew for each. "torchrun" here launches
 # every one with torchrun instead.
 LAUNCHER_ENV = "LIGHTNING_FSDP_RESUME_TEST_LAUNCHER"
@@ -81,11 +82,11 @@ def _rank_server() -> subprocess.Popen:
     return server
 
 
-def _forked(args: Sequence[str], nproc: int, expect_failure: bool) -> str:
+def _forked(script: Path, args: Sequence[str], nproc: int, expect_failure: bool) -> str:
     server = _rank_server()
     logs = tempfile.mkdtemp(prefix="ranks-")
     try:
-        request = {"args": list(args), "nproc": nproc, "logs": logs, "timeout": TIMEOUT_S}
+        request = {"worker": script.stem, "args": list(args), "nproc": nproc, "logs": logs, "timeout": TIMEOUT_S}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         line = server.stdout.readline()
@@ -96,7 +97,7 @@ def _forked(args: Sequence[str], nproc: int, expect_failure: bool) -> str:
     finally:
         shutil.rmtree(logs, ignore_errors=True)
     failed = any(reply["codes"])
-    what = f"worker {' '.join(args)} on {nproc or 'one plain'} forked rank(s)"
+    what = f"{script.stem} {' '.join(args)} on {nproc or 'one plain'} forked rank(s)"
     if expect_failure and not failed:
         pytest.fail(f"{what} succeeded but was expected to fail\n{reply['output'][-6000:]}")
     if failed and not expect_failure:
@@ -108,16 +109,28 @@ def single(script: Path, args: Sequence[str], env=None, expect_failure: bool = F
     return _run([sys.executable, str(script)] + [str(a) for a in args], env, expect_failure)
 
 
-def worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = False, by_torchrun: bool = False) -> str:
-    """The Trainer worker on ``nproc`` ranks; ``nproc=0`` runs it as one plain process without FSDP.
-
-    Forks of the rank server unless ``by_torchrun``, ``env`` or LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun."""
+def _launch(script: Path, args: Sequence, nproc: int, env, expect_failure: bool, by_torchrun: bool) -> str:
+    """``script`` on ``nproc`` ranks (``nproc=0``: one plain process): forks of the rank server unless
+    ``by_torchrun``, ``env`` or LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun."""
     forked = not (by_torchrun or env or os.environ.get(LAUNCHER_ENV) == "torchrun")
-    if nproc == 0:
-        args = ["--strategy", "single", *map(str, args)]
-        return _forked(args, 0, expect_failure) if forked else single(WORKER, args, env, expect_failure)
     args = [str(a) for a in args]
-    return _forked(args, nproc, expect_failure) if forked else torchrun(WORKER, args, nproc, env, expect_failure)
+    if forked:
+        return _forked(script, args, nproc, expect_failure)
+    if nproc == 0:
+        return single(script, args, env, expect_failure)
+    return torchrun(script, args, nproc, env, expect_failure)
+
+
+def worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = False, by_torchrun: bool = False) -> str:
+    """The Trainer worker on ``nproc`` ranks; ``nproc=0`` runs it as one plain process without FSDP."""
+    if nproc == 0:
+        args = ("--strategy", "single", *args)
+    return _launch(WORKER, args, nproc, env, expect_failure, by_torchrun)
+
+
+def fabric_worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = False, by_torchrun: bool = False) -> str:
+    """The Fabric worker on ``nproc`` ranks, launched as ``worker`` launches the Trainer's."""
+    return _launch(FABRIC_WORKER, args, nproc, env, expect_failure, by_torchrun)
 
 
 def nodes(tmp: Path, *args, count: int = 2, env=None) -> str:
@@ -145,6 +158,11 @@ def config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: i
         "--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type,
         "--use-orig-params", use_orig_params, "--optimizers", optimizers,
     ]
+
+
+def fabric_config(root: Path, state_dict_type: str):
+    """The Fabric worker's arguments of one configuration, writing under ``root``."""
+    return ["--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type]
 
 
 def flavour_under_test():

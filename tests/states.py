@@ -2,7 +2,7 @@
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -46,9 +46,11 @@ def without_lightning_wrapper(dump: dict) -> dict:
 
 
 def assert_ranks_identical(
-    expected_dir: Path, expected_name: str, actual_dir: Path, actual_name: str, ranks: int = 2, across_flavours: bool = False
+    expected_dir: Path, expected_name: str, actual_dir: Path, actual_name: str, ranks: int = 2, across_flavours: bool = False,
+    parts: Optional[Sequence[str]] = None,
 ) -> None:
-    """Each rank's local parameter shards and raw optimizer state are bit-identical.
+    """Each rank's local parameter shards and raw optimizer state are bit-identical: the whole record, or only
+    its ``parts`` (``"params"``, ``"buffers"``, ``"optim"``, and what else a worker records, e.g. ``"scheduler"``).
 
     ``across_flavours``: one side ran Lightning 2.0.x, the other 2.1+; parameter names are compared
     without 2.0.x's wrapper."""
@@ -59,6 +61,8 @@ def assert_ranks_identical(
             expected, actual = without_lightning_wrapper(expected), without_lightning_wrapper(actual)
         assert expected["params"], "no parameters were recorded"
         assert any(o["state"] for o in expected["optim"]), "no optimizer state was recorded"
+        if parts is not None:
+            expected, actual = ({part: record[part] for part in parts if part in record} for record in (expected, actual))
         assert_identical(expected, actual, f"rank {rank}: {expected_name} vs {actual_name}")
 
 

@@ -1,0 +1,232 @@
+"""One Fabric run, launched by the tests under torchrun (FSDP on CPU over gloo) or forked by the rank server.
+
+It trains a plain ``nn.Module`` with nested FSDP units through Fabric within what Fabric 2.0.x supports
+(FSDP's flat parameters, ``use_orig_params=False``, and one parameter group): ``setup_module``,
+``setup_optimizers`` (Adam), a ``StepLR`` on the optimizer Fabric returns, and fixed per-rank batches.
+After each epoch it saves ``{"model", "optimizer", "scheduler", "epoch", "step", "loss", "world_size"}``
+with ``fabric.save``; ``--resume PATH`` loads one into the same objects with ``fabric.load``, asking for
+all but ``loss`` and ``world_size``, and goes on from the epoch after it. Into ``--out`` it writes what
+the tests compare (records.py): every rank's local shards, raw optimizer state and scheduler state at the
+start (after loading, if it loads), after each epoch and at the end; rank 0 also the full weights and
+optimizer state gathered by torch; and what ``fabric.load`` gave back. ``--errors PATH`` instead makes
+each call that native Fabric refuses and records what every rank raised. It checks nothing itself.
+
+``StepLR(step_size=1)`` multiplies the optimizer's current learning rate, which the optimizer state
+restores: the weights do not depend on whether the scheduler itself was restored, which the tests check
+separately.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+if importlib.util.find_spec("lightning") is not None:  # as fsdp_worker: lightning.fabric if installed
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import FSDPStrategy
+else:
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import FSDPStrategy
+
+import lightning_fsdp_resume  # noqa: F401,E402  (the one-line activation under test)
+import records  # noqa: E402
+from faults import kill_during_saves  # noqa: E402
+from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group  # noqa: E402
+
+BATCH = 4  # per rank
+LR = 1e-2
+GAMMA = 0.5
+MISSING_KEY = "missing"  # asked for by --request-missing, in no checkpoint
+MISSING_DEFAULT = "kept"
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def batches(rank: int, world_size: int):
+    """The same 64 samples every epoch; each global batch of BATCH per rank is split among the ranks."""
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.randn(64, 8, generator=generator)
+    y = torch.randn(64, 2, generator=generator)
+    size = BATCH * world_size
+    for start in range(0, len(x) - size + 1, size):
+        rows = slice(start + rank * BATCH, start + (rank + 1) * BATCH)
+        yield x[rows], y[rows]
+
+
+def fsdp_root(model: nn.Module) -> nn.Module:
+    """The outermost FSDP module inside Fabric's wrapper: what holds this rank's flat shards."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return next(m for m in model.modules() if isinstance(m, FSDP))
+
+
+class Run:
+    """One rank's Fabric, model, optimizer and scheduler, and what it writes for the tests."""
+
+    def __init__(self, args) -> None:
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        self.args = args
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # use_orig_params=False: 2.0.x's default and only kind; 2.1+ defaults to True
+        strategy = FSDPStrategy(state_dict_type=args.state_dict_type, use_orig_params=False,
+                                auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+        self.fabric = Fabric(accelerator="cpu", devices=devices, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // devices,
+                             strategy=strategy)
+        # Needed under torchrun too: it joins the process group, and Fabric 2.1+ refuses setup_module without it.
+        self.fabric.launch()
+        torch.manual_seed(0)  # every rank builds the same model, which FSDP then shards
+        self.model = self.fabric.setup_module(Net())
+        self.optimizer = self.fabric.setup_optimizers(torch.optim.Adam(self.model.parameters(), lr=LR))
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=GAMMA)
+        self.epoch, self.step, self.loss = -1, 0, None
+
+    def state(self) -> dict:
+        """What each save writes; a load never asks for ``loss`` and ``world_size``, which fabric.load returns."""
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "epoch": self.epoch,
+                "step": self.step, "loss": self.loss, "world_size": self.fabric.world_size}
+
+    def resume(self, path: Path) -> dict:
+        """``fabric.load`` into a state that asks for all but UNREQUESTED; what the tests read of it."""
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "epoch": None, "step": None}
+        if self.args.request_missing:
+            state[MISSING_KEY] = MISSING_DEFAULT
+        remainder = self.fabric.load(path, state, strict=bool(self.args.strict))
+        self.epoch, self.step = state["epoch"], state["step"]
+        return {
+            "remainder": dict(remainder),
+            # native Lightning 2.1+ puts a sharded checkpoint's scheduler state in place of the scheduler
+            "scheduler_type": type(state["scheduler"]).__name__,
+            "scheduler_in_place": state["scheduler"] is self.scheduler,
+            MISSING_KEY: state.get(MISSING_KEY),
+        }
+
+    def train_epoch(self) -> None:
+        self.epoch += 1
+        for x, y in batches(self.fabric.global_rank, self.fabric.world_size):
+            self.optimizer.zero_grad()
+            loss = nn.functional.mse_loss(self.model(x), y)
+            self.fabric.backward(loss)
+            self.optimizer.step()
+            self.step += 1
+            self.loss = loss.item()
+        self.scheduler.step()
+
+    def record(self, name: str, **info) -> None:
+        root, optimizer = fsdp_root(self.model), self.optimizer.optimizer  # Fabric's wrappers left out
+        local = records.local_state(root, [optimizer])
+        local["scheduler"] = self.scheduler.state_dict()
+        full = {"params": records.full_weights(root, root), "optim": [records.full_optimizer_state(root, optimizer)]}
+        info = {"epoch": self.epoch, "step": self.step, "loss": self.loss, "last_epoch": self.scheduler.last_epoch,
+                "last_lr": self.scheduler.get_last_lr(),
+                # what the optimizer Fabric returned shows, which the scheduler steps
+                "fabric_optimizer_lr": [group["lr"] for group in self.optimizer.param_groups], **info}
+        records.write(self.args.out, name, self.fabric.global_rank, local, info, full)
+
+    def save_filter(self):
+        """``--filter``: keep only the model's weights (no biases)."""
+        return {"model": lambda key, value: "weight" in key} if self.args.filter else None
+
+
+def train(run: Run, args) -> None:
+    info = {}
+    if args.resume:
+        info = run.resume(args.resume)
+    elif args.load_raw:
+        run.fabric.load_raw(args.load_raw, run.model)
+    run.record("start", **info)
+    while run.epoch + 1 < args.epochs:
+        run.train_epoch()
+        run.record(f"epoch{run.epoch}")
+        run.fabric.save(args.ckpt_dir / f"epoch={run.epoch}.ckpt", run.state(), filter=run.save_filter())
+    run.record("final")
+
+
+def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
+    """Every call native Fabric refuses, made on every rank, with what it raised (None: nothing)."""
+    fabric, model, optimizer = run.fabric, run.model, run.optimizer
+    torch.manual_seed(0)
+    other = fabric.setup_module(Net())
+    sharded = run.args.state_dict_type == "sharded"
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "empty-dir").mkdir(exist_ok=True)
+    (scratch / "plain-dir").mkdir(exist_ok=True)  # a directory that holds no checkpoint, but holds something
+    (scratch / "plain-dir" / "notes.txt").write_text("not a checkpoint")
+    calls = {
+        "save-without-model": lambda: fabric.save(scratch / "no-model.ckpt", {"optimizer": optimizer, "epoch": 0}),
+        "load-without-model": lambda: fabric.load(checkpoint, {"optimizer": optimizer}),
+        "save-two-models": lambda: fabric.save(scratch / "two.ckpt", {"model": model, "other": other}),
+        "load-two-models": lambda: fabric.load(checkpoint, {"model": model, "other": other}),
+        "load-raw-optimizer": lambda: fabric.load_raw(checkpoint, optimizer),
+        "load-empty-state": lambda: fabric.load(checkpoint, {}),
+        "load-no-state": lambda: fabric.load(checkpoint),
+        "load-missing-path": lambda: fabric.load(scratch / "does-not-exist.ckpt", {"model": model}),
+        "load-empty-directory": lambda: fabric.load(scratch / "empty-dir", {"model": model}),
+        "filter-not-a-dict": lambda: fabric.save(scratch / "f.ckpt", {"model": model}, filter=lambda k, v: True),
+        "filter-unknown-key": lambda: fabric.save(scratch / "f.ckpt", {"model": model}, filter={"nope": lambda k, v: True}),
+        "filter-not-callable": lambda: fabric.save(scratch / "f.ckpt", {"model": model}, filter={"model": 1}),
+        # last: it loads the model and optimizer before it finds the key missing
+        "load-strict-missing-key": lambda: fabric.load(checkpoint, {"model": model, "optimizer": optimizer, MISSING_KEY: 0}),
+    }
+    if sharded:
+        calls["save-sharded-filtered"] = lambda: fabric.save(scratch / "filtered.ckpt", {"model": model},
+                                                             filter={"model": lambda k, v: True})
+        calls["load-raw-sharded"] = lambda: fabric.load_raw(checkpoint, model)
+    else:
+        calls["save-full-onto-directory"] = lambda: fabric.save(scratch / "plain-dir", {"model": model})
+    raised = {}
+    for name, call in calls.items():
+        try:
+            call()
+            raised[name] = None
+        except Exception as error:
+            message = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+            raised[name] = {"type": type(error).__name__, "bases": [c.__name__ for c in type(error).__mro__],
+                            "message": message}
+    return raised
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    parser.add_argument("--state-dict-type", default="sharded")
+    parser.add_argument("--epochs", type=int, default=3, help="train until this many epochs are done")
+    parser.add_argument("--resume", type=Path, default=None, help="fabric.load this checkpoint first")
+    parser.add_argument("--strict", type=int, default=1, help="fabric.load(..., strict=)")
+    parser.add_argument("--request-missing", action="store_true", help=f"ask the load for {MISSING_KEY!r} too")
+    parser.add_argument("--load-raw", type=Path, default=None, help="fabric.load_raw this model state dict first")
+    parser.add_argument("--filter", action="store_true", help="save only the model's weights (fabric.save filter=)")
+    parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see faults.kill_during_saves")
+    parser.add_argument("--errors", type=Path, default=None, help="make the refused calls, with this checkpoint")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.ckpt_dir.mkdir(parents=True, exist_ok=True)  # native full saves do not make it (sharded ones do)
+
+    enable_cpu_fsdp()
+    run = Run(args)
+    if args.kill:
+        point, rank, save = args.kill.split(":")
+        kill_during_saves(run.fabric.strategy, point, int(rank), int(save))
+    if args.errors:
+        raised = refusals(run, args.errors, args.out / "scratch")
+        (args.out / f"errors_rank{run.fabric.global_rank}.json").write_text(json.dumps(raised, indent=1))
+    else:
+        train(run, args)
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

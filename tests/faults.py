@@ -1,0 +1,69 @@
+"""Fault injection for the crash-safety tests, shared by the Trainer and Fabric workers: SIGKILL one rank at a
+chosen point of a checkpoint save. The points are found in torch's writers (and the shim's publishing),
+so they exist for the shim's saves and for native Lightning's alike, but for the two publish points."""
+import os
+import signal
+import sys
+
+
+def kill_during_saves(strategy, point: str, rank: int, save: int) -> None:
+    """SIGKILL ``rank`` at ``point`` of the ``save``-th checkpoint save (``strategy.save_checkpoint``) of this process.
+
+    Points: ``before-shards`` (nothing written yet), ``mid-shards`` (after this rank's shard file),
+    ``after-shards`` (shards done, ``meta.pt`` not written), ``before-publish`` (complete, not yet in
+    place), ``after-publish`` (in place, replaced checkpoint not yet removed); ``mid-file`` for the Trainer's
+    full saves, through the strategy's ``checkpoint_io`` (half of the file written). The publish points are the shim's
+    atomic publishing: native Lightning has none, and never reaches them.
+    """
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from lightning_fsdp_resume import _atomic
+
+    saves = [0]
+    original_save = strategy.save_checkpoint
+
+    def counting_save(*args, **kwargs):
+        saves[0] += 1
+        return original_save(*args, **kwargs)
+
+    strategy.save_checkpoint = counting_save
+
+    def die(where: str) -> None:
+        if where == point and strategy.global_rank == rank and saves[0] == save:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def around(owner, name, before, after):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            die(before)
+            result = original(*args, **kwargs)
+            die(after)
+            return result
+
+        setattr(owner, name, wrapped)
+
+    # Every writer of shards looks these up in torch.distributed.checkpoint when it saves: the shim's, and
+    # native Lightning's (save_state_dict in 2.1, save in later releases).
+    for name in ("save", "save_state_dict"):  # save from torch 2.2
+        if hasattr(dcp, name):
+            around(dcp, name, "before-shards", "after-shards")
+    around(fs.FileSystemWriter, "write_data", "", "mid-shards")
+    around(_atomic, "publish", "before-publish", "after-publish")
+
+    if point != "mid-file":
+        return
+    # Fabric's FSDPStrategy has no checkpoint_io (it raises): this point is the Trainer's only.
+    original_save_file = strategy.checkpoint_io.save_checkpoint
+
+    def half_then_die(checkpoint, path, storage_options=None):
+        if strategy.global_rank == rank and saves[0] == save:
+            original_save_file(checkpoint, path)
+            with open(path, "r+b") as handle:
+                handle.truncate(os.path.getsize(path) // 2)
+            die("mid-file")
+        return original_save_file(checkpoint, path)
+
+    strategy.checkpoint_io.save_checkpoint = half_then_die
