@@ -1,23 +1,30 @@
 """Run Lightning's ``FSDPStrategy`` on the CPU, for tests in CI without GPUs (like ``torch.testing``).
 
-Lightning 2.0.x and 2.1.x refuse FSDP unless the accelerator is a GPU, torch's FSDP needs
-``device_id=torch.device("cpu")`` to shard CPU parameters, and gathering a full state dict with
-``offload_to_cpu=True`` (native Lightning asks for it) crashes torch when the parameters are already on
-the CPU. ``enable_cpu_fsdp()`` lifts all three, in this
-process, until ``disable_cpu_fsdp()``; launch ranks with ``torchrun`` and ``Trainer(accelerator="cpu",
-devices=N)`` and the gloo backend is chosen. A plain ``import lightning_fsdp_resume`` never applies it.
+Lightning 2.0.x and newer refuse FSDP unless the accelerator is a GPU, in the Trainer and in Fabric
+alike; torch's FSDP needs ``device_id=torch.device("cpu")`` to shard CPU parameters; and gathering a full
+state dict with ``offload_to_cpu=True`` (native Lightning asks for it) crashes torch when the parameters
+are already on the CPU. ``enable_cpu_fsdp()`` lifts all three, in this process, until
+``disable_cpu_fsdp()``; launch ranks with ``torchrun`` and ``Trainer(accelerator="cpu", devices=N)`` or
+``Fabric(accelerator="cpu", devices=N)`` (then ``fabric.launch()``) and the gloo backend is chosen. A
+plain ``import lightning_fsdp_resume`` never applies it.
 
 Limits: torch 2.0 and 2.1 cannot run FSDP over gloo (no ``_allgather_base``); on torch 2.2 an optimizer
 state dict with ``use_orig_params=True`` (full or sharded) goes through ``torch.cuda`` and fails.
 """
 import importlib
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Iterator, Tuple
 
 from ._patcher import Patcher, Wrap
 from ._versions import FLAVOURS
 
 _patcher = Patcher()
-_GPU_ONLY_MESSAGE = "GPU accelerator"  # 2.0.x: "... is not used"; later: "requires a GPU accelerator"
+# Where each connector refuses FSDP without a GPU, and the words of its refusal. Trainer 2.0.x: "... but GPU
+# accelerator is not used", later: "requires a GPU accelerator"; Fabric 2.0.x to 2.6: "... FSDP is only
+# available on GPU". Both keep the accelerator in ``_accelerator_flag``.
+_TRAINER_GPU_ONLY = "GPU accelerator"
+_FABRIC_GPU_ONLY = "FSDP is only available on GPU"
+# Fabric's two namespaces; the standalone one ships in the pytorch-lightning wheel.
+_FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
 
 
 def cpu_fsdp_supported() -> Tuple[bool, str]:
@@ -43,7 +50,8 @@ def cpu_optimizer_state_supported(use_orig_params: bool) -> Tuple[bool, str]:
 
 
 def enable_cpu_fsdp() -> None:
-    """Allow ``FSDPStrategy`` with ``accelerator="cpu"``. Idempotent. Imports torch and installed Lightning."""
+    """Allow ``FSDPStrategy`` with ``accelerator="cpu"`` in the Trainer and in Fabric. Idempotent. Imports torch and
+    installed Lightning."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.api import FullOptimStateDictConfig, FullStateDictConfig
 
@@ -52,12 +60,20 @@ def enable_cpu_fsdp() -> None:
     # when the parameters already live on the CPU. FSDP checks the configs' exact type: patch, not subclass.
     for config in (FullStateDictConfig, FullOptimStateDictConfig):
         _patcher.apply(config, {"__init__": Wrap(_no_offload_on_cpu)})
-    for flavour in FLAVOURS:
+    for module_name, connector, gpu_only_message in _gpu_only_checks():
         try:
-            module = importlib.import_module(f"{flavour.package}.trainer.connectors.accelerator_connector")
+            module = importlib.import_module(module_name)
         except ImportError:
             continue
-        _patcher.apply(module._AcceleratorConnector, {"_check_strategy_and_fallback": Wrap(_allow_cpu_fsdp)})
+        _patcher.apply(getattr(module, connector), {"_check_strategy_and_fallback": Wrap(_allow_cpu_fsdp(gpu_only_message))})
+
+
+def _gpu_only_checks() -> Iterator[Tuple[str, str, str]]:
+    """(module, connector class, words of its GPU-only refusal) of the Trainer's flavours and Fabric's namespaces."""
+    for flavour in FLAVOURS:
+        yield f"{flavour.package}.trainer.connectors.accelerator_connector", "_AcceleratorConnector", _TRAINER_GPU_ONLY
+    for package in _FABRIC_PACKAGES:
+        yield f"{package}.connector", "_Connector", _FABRIC_GPU_ONLY
 
 
 def disable_cpu_fsdp() -> None:
@@ -100,18 +116,24 @@ def _no_offload_on_cpu(original_init: Callable) -> Callable:
     return __init__
 
 
-def _allow_cpu_fsdp(original_check: Callable) -> Callable:
-    def _check_strategy_and_fallback(self: Any) -> None:
-        try:
-            return original_check(self)
-        except Exception as error:  # MisconfigurationException or ValueError, by release
-            if _GPU_ONLY_MESSAGE not in str(error):
-                raise
-        accelerator = self._accelerator_flag
-        self._accelerator_flag = "gpu"  # only for the duration of the check
-        try:
-            return original_check(self)
-        finally:
-            self._accelerator_flag = accelerator
+def _allow_cpu_fsdp(gpu_only_message: str) -> Callable[[Callable], Callable]:
+    """A wrapper of a connector's ``_check_strategy_and_fallback`` that lets FSDP pass with any accelerator:
+    where the check refuses with ``gpu_only_message``, it runs again as if the accelerator were a GPU."""
 
-    return _check_strategy_and_fallback
+    def wrap(original_check: Callable) -> Callable:
+        def _check_strategy_and_fallback(self: Any) -> None:
+            try:
+                return original_check(self)
+            except Exception as error:  # MisconfigurationException or ValueError, by release
+                if gpu_only_message not in str(error):
+                    raise
+            accelerator = self._accelerator_flag
+            self._accelerator_flag = "gpu"  # only for the duration of the check
+            try:
+                return original_check(self)
+            finally:
+                self._accelerator_flag = accelerator
+
+        return _check_strategy_and_fallback
+
+    return wrap
