@@ -431,3 +431,23 @@ def test_fabric_command_line_names_the_entries(fabric_run, tmp_path):
         f"Wrote '{tmp_path / 'cli.ckpt'}': Fabric checkpoint: modules 'net' (6 entries); optimizers 'opt_a', 'opt_idle',"
     ), result.stdout
     assert_identical(load(fabric_run.full), load(tmp_path / "cli.ckpt"), "the full save and the CLI's file")
+
+
+@pytest.mark.parametrize("source", ["consolidated", "sharded"])
+def test_fabric_load_leaves_the_scheduler_steering_the_loaded_optimizer(fabric_run, tmp_path, source):
+    """A resume goes on stepping the LR scheduler made on Fabric's optimizer: its rates must reach the optimizer
+    that was loaded (Fabric 2.0.x's wrapper keeps a copy of the optimizer's groups)."""
+    path = fabric_run.sharded
+    if source == "consolidated":
+        _consolidated_fabric(fabric_run, tmp_path)
+        path = tmp_path / "fabric-full.ckpt"
+    fabric, state = _fabric_setup(fabric_run.use_orig_params, seed=1)
+    del state["opt_idle"]
+    optimizer, scheduler = state["opt_a"], state["sched"]
+    fabric.load(path, state)
+    if state["sched"] is not scheduler:  # native Fabric 2.1 to 2.6's sharded load puts the state dict there
+        scheduler.load_state_dict(state["sched"])
+    assert optimizer.optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == 5e-3  # 1e-2 halved at step 2
+    scheduler.step()  # the 4th: StepLR(step_size=2) halves again
+    assert optimizer.optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == 2.5e-3
+    assert optimizer.param_groups[0]["lr"] == 2.5e-3
