@@ -27,6 +27,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="first interrupt and resume with patching off (stock Lightning 2.0.x FSDP, whose checkpoint holds"
                       " no weights and only rank 0's optimizer shard) and print its column beside the shim's; the exit"
                       " status stays the shim's verdict, whether stock differs, fails or not")
+    demo.add_argument("--fabric", action="store_true",
+                      help="the same proof through Fabric: a training loop that checkpoints with fabric.save and resumes"
+                      " with fabric.load (model, optimizer, LR scheduler, epoch and step); Fabric's FSDPStrategy"
+                      " (same --state-dict-type default, sharded) instead of the Trainer's")
     demo.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
 
     commands.add_parser("status", help="installed Lightning, torch and wrapt, and what the shim did with each flavour")
