@@ -1,8 +1,11 @@
 """Consolidate a sharded checkpoint directory into one full checkpoint file, in one process.
 
-The result is what a full save of the same run writes: the Lightning checkpoint of ``meta.pt`` with the
-weights under ``state_dict`` and ``optimizer_states`` in standard PyTorch format (parameters numbered by
-integer id). No process group, no model and no Lightning are needed.
+The result is what a full save of the same run writes. A Trainer's checkpoint becomes the Lightning
+checkpoint of ``meta.pt`` with the weights under ``state_dict`` and ``optimizer_states`` in standard
+PyTorch format (parameters numbered by integer id). A Fabric one becomes Fabric's full file: each module
+entry its full state dict, each optimizer entry its FSDP state keyed by parameter name, and every entry of
+``meta.pt``. Which of the two it is, ``_format.sharded_checkpoint_writer`` decides. No process group, no
+model and no Lightning are needed.
 
 Memory: every tensor of the checkpoint is allocated once, empty, at its full size, and the shards are
 read straight into it by ``torch.distributed.checkpoint``; that one copy is then written out. The
@@ -10,7 +13,7 @@ parameter numbering comes from the checkpoint alone: see ``_standard_optimizer_s
 """
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, NamedTuple, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Sequence, Tuple
 
 from . import _atomic, _format, _verify
 from . import _torch_compat as compat
@@ -19,8 +22,9 @@ from . import _torch_compat as compat
 class Summary(NamedTuple):
     """What one consolidation wrote."""
 
-    entries: int  # model state_dict entries
-    optimizers: int
+    writer: str  # _format.TRAINER or _format.FABRIC: whose sharded checkpoint it was, so the file's format
+    weights: Dict[str, int]  # the file's entries holding weights ("state_dict" for the Trainer's) -> how many
+    optimizers: Tuple[str, ...]  # the file's optimizer states: "optimizer_states[i]", or Fabric's entries
     tensor_bytes: int  # bytes of tensor data read from the shards
 
 
@@ -34,29 +38,49 @@ def consolidate(src: Path, dst: Path, overwrite: bool = False, progress: bool = 
     _check_destination(src, dst, overwrite)
     _check_torch()
     _check_source(src)
-    checkpoint, tensor_bytes = read_full_checkpoint(src, progress)
+    checkpoint, summary = read_full_checkpoint(src, progress)
     if progress:
         print(f"consolidate: writing {str(dst)!r}", file=sys.stderr, flush=True)
     write_atomically(checkpoint, dst)
-    optimizers = len(checkpoint.get("optimizer_states", []))
-    return Summary(len(checkpoint["state_dict"]), optimizers, tensor_bytes)
+    return summary
 
 
-def read_full_checkpoint(src: Path, progress: bool = False):
-    """The full Lightning checkpoint held by the sharded directory ``src``, and the tensor bytes read."""
+def read_full_checkpoint(src: Path, progress: bool = False) -> Tuple[Dict[str, Any], Summary]:
+    """The full checkpoint held by the sharded directory ``src``, in its writer's full format, and what it holds."""
     metadata = compat.read_shard_index(src)
     flat, tensor_bytes = _read_flat(src, metadata, progress)
     stored = _nest(flat, metadata, src)
-    checkpoint = _verify.read_meta(src)
+    meta = _verify.read_meta(src)
+    writer = _format.sharded_checkpoint_writer(stored, meta)
+    if writer == _format.TRAINER:
+        entries, weights, optimizers = _trainer_entries(stored)
+    else:
+        entries, weights, optimizers = _fabric_entries(stored, metadata.planner_data)
+    return {**meta, **entries}, Summary(writer, weights, optimizers, tensor_bytes)
+
+
+def _trainer_entries(stored: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, int], Tuple[str, ...]]:
+    """``state_dict`` and, unless the save was weights-only, ``optimizer_states`` (id-keyed)."""
     model_state = stored.get(_format.MODEL_KEY, {})
-    checkpoint["state_dict"] = model_state
+    entries: Dict[str, Any] = {"state_dict": model_state}
     modules = _format.modules_in_state_dict_order(model_state)
     count = _format.count_saved_optimizers(stored)
     if count:  # none: a weights-only save, which has no "optimizer_states" either
-        checkpoint["optimizer_states"] = [
+        entries["optimizer_states"] = [
             _standard_optimizer_state(stored[_format.optimizer_key(index)], modules) for index in range(count)
         ]
-    return checkpoint, tensor_bytes
+    return entries, {"state_dict": len(model_state)}, tuple(f"optimizer_states[{index}]" for index in range(count))
+
+
+def _fabric_entries(
+    stored: Dict[str, Any], paths: Dict[str, Sequence[Any]]
+) -> Tuple[Dict[str, Any], Dict[str, int], Tuple[str, ...]]:
+    """Every stored entry under its own key: a module's full state dict, an optimizer's name-keyed FSDP state
+    (what native Fabric's full save writes, ``FSDP.optim_state_dict`` under a full state-dict context)."""
+    optimizers = {key for key in stored if _format.is_optimizer_entry(p for p in paths.values() if p[0] == key)}
+    entries = {key: _with_state(value) if key in optimizers else value for key, value in stored.items()}
+    weights = {key: len(value) for key, value in entries.items() if key not in optimizers}
+    return entries, weights, tuple(key for key in stored if key in optimizers)
 
 
 def _standard_optimizer_state(state: Dict[str, Any], modules: Sequence[str]) -> Dict[str, Any]:
@@ -67,9 +91,14 @@ def _standard_optimizer_state(state: Dict[str, Any], modules: Sequence[str]) -> 
     the stored group lists the parameters in flat-parameter order, so the order is not taken from it;
     the module's order is recovered from the model's keys (see ``modules_in_state_dict_order``).
     """
-    state = {"state": {}, **state}  # an optimizer that never stepped has no stored "state"
+    state = _with_state(state)
     names_by_group = [_format.in_module_order(group["params"], modules) for group in state["param_groups"]]
     return _format.names_to_ids(state, names_by_group)
+
+
+def _with_state(state: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer that never stepped has no stored ``state``; its state dict has an empty one."""
+    return {"state": {}, **state}
 
 
 # --- reading the shards ----------------------------------------------------------------------------

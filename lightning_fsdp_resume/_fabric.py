@@ -244,6 +244,8 @@ def wrap_load(original_load: Callable) -> Callable:
             for key, value in unwrapped.items():
                 if _unwrap(self, state[key]) is state[key]:
                     state[key] = value
+                else:
+                    _refresh_wrapper(state[key])
         return remainder
 
     load.__signature__ = _with_keyword(original_load, "strict", True, bool)  # type: ignore[attr-defined]
@@ -252,7 +254,7 @@ def wrap_load(original_load: Callable) -> Callable:
 
 def load_raw(self: Any, path: Any, obj: Any, strict: bool = True) -> None:
     """``Fabric.load_raw``: a module's or optimizer's own state dict from one file (saved without Fabric)."""
-    obj = _unwrap(self, obj)
+    wrapper, obj = obj, _unwrap(self, obj)
     if _takes(self._strategy.load_checkpoint, "strict"):
         self._strategy.load_checkpoint(path=path, state=obj, strict=strict)
         return
@@ -263,6 +265,7 @@ def load_raw(self: Any, path: Any, obj: Any, strict: bool = True) -> None:
         obj.load_state_dict(state, strict=strict)
     else:
         obj.load_state_dict(state)
+        _refresh_wrapper(wrapper)
 
 
 def _check_filter(filter: Any, state: Dict[str, Any]) -> None:
@@ -296,6 +299,18 @@ def _unwrap(fabric: Any, obj: Any) -> Any:
             wrappers = importlib.import_module(klass.__module__[: -len("fabric")] + "wrappers")
             return wrappers._unwrap_objects(obj)
     raise TypeError(f"{type(fabric).__qualname__} is not a Fabric")
+
+
+def _refresh_wrapper(obj: Any) -> None:
+    """Fabric 2.0.x's optimizer wrapper holds a copy of the optimizer's attributes, renewed only by its own
+    ``load_state_dict`` (``_refresh``). Loading into the optimizer itself replaces its ``param_groups``: without
+    this, an LR scheduler made on the wrapper (as Fabric's docs do) sets the learning rate of stale groups.
+    Fabric 2.1's wrapper delegates every attribute and has no ``_refresh``."""
+    from torch.optim import Optimizer
+
+    refresh = getattr(obj, "_refresh", None)
+    if isinstance(obj, Optimizer) and callable(refresh):
+        refresh()
 
 
 def _with_keyword(original: Callable, name: str, default: Any, annotation: Any) -> inspect.Signature:

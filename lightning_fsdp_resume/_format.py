@@ -1,19 +1,25 @@
 """The on-disk checkpoint format, as small pure functions. No torch, no Lightning, no Trainer state.
 
-A *sharded* checkpoint is a directory written by ``torch.distributed.checkpoint``: the model under the
-key ``model``, optimizer ``i`` under ``optimizer_{i}``, plus ``meta.pt`` holding everything else. A
-*full* checkpoint is one ordinary Lightning checkpoint file. In both, parameter names are the
-LightningModule's own (no wrapper prefix), which is what native Lightning 2.1+ writes.
+A *sharded* checkpoint is a directory written by ``torch.distributed.checkpoint``, plus ``meta.pt``
+holding everything else: the Trainer's stores the model under the key ``model`` and optimizer ``i`` under
+``optimizer_{i}``; Fabric's stores each module and optimizer under the user's own key. A *full* checkpoint
+is one file: the Trainer's an ordinary Lightning checkpoint, Fabric's a dict of the same entries as its
+sharded one. In all, parameter names are the module's own (no wrapper prefix), which is what native
+Lightning 2.1+ writes.
 """
 import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Sequence
+
+from ._versions import FABRIC, TRAINER
 
 METADATA_FILENAME = "meta.pt"
 # torch.distributed.checkpoint's own index of a sharded checkpoint: what each key holds and where.
 DCP_METADATA_FILENAME = ".metadata"
 MODEL_KEY = "model"
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)(?:\.|$)")
+# The Trainer writes it into every checkpoint, from 2.0 on; Fabric writes only what the user's state holds.
+TRAINER_VERSION_KEY = "pytorch-lightning_version"
 
 
 def optimizer_key(index: int) -> str:
@@ -29,6 +35,32 @@ def count_saved_optimizers(storage_keys: Iterable[str]) -> int:
     """How many ``optimizer_{i}`` entries a sharded checkpoint's metadata keys name."""
     indices = {int(m.group(1)) for m in map(_OPTIMIZER_KEY.match, storage_keys) if m}
     return len(indices)
+
+
+def sharded_checkpoint_writer(stored_entries: Iterable[str], meta_keys: Iterable[str]) -> str:
+    """``TRAINER`` or ``FABRIC``: who wrote a sharded checkpoint, from the entries its shards store and the
+    keys of its ``meta.pt``.
+
+    The Trainer's stores only ``model`` and ``optimizer_{i}`` and its ``meta.pt`` always holds
+    ``pytorch-lightning_version`` (Lightning 2.0 and 2.1+, this package's saves and native ones). Both
+    must hold: a Fabric user may name a module ``model``, but Fabric's ``meta.pt`` holds only the user's
+    other entries. Anything else is Fabric's.
+    """
+    trainer_entries = all(key == MODEL_KEY or _OPTIMIZER_KEY.fullmatch(key) for key in stored_entries)
+    return TRAINER if trainer_entries and TRAINER_VERSION_KEY in set(meta_keys) else FABRIC
+
+
+def is_optimizer_entry(paths: Iterable[Sequence[Any]]) -> bool:
+    """Whether a stored entry of a sharded checkpoint is an optimizer's state, from the nested paths of its
+    flattened keys (``.metadata``'s ``planner_data``).
+
+    An optimizer state dict always has ``param_groups`` (``(key, "param_groups", 0, "lr")``) and, once
+    stepped, ``state`` (``(key, "state", "body.0.weight", "exp_avg")``); a module's are
+    ``(key, parameter name)``, the name one string however many dots it has.
+    """
+    return any(
+        len(path) > 1 and (path[1] == "param_groups" or (path[1] == "state" and len(path) > 2)) for path in paths
+    )
 
 
 def strip_prefix(state: Dict[str, Any], prefix: str) -> Dict[str, Any]:

@@ -27,6 +27,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                       help="first interrupt and resume with patching off (stock Lightning 2.0.x FSDP, whose checkpoint holds"
                       " no weights and only rank 0's optimizer shard) and print its column beside the shim's; the exit"
                       " status stays the shim's verdict, whether stock differs, fails or not")
+    demo.add_argument("--fabric", action="store_true",
+                      help="the same proof through Fabric: a training loop that checkpoints with fabric.save and resumes"
+                      " with fabric.load (model, optimizer, LR scheduler, epoch and step); Fabric's FSDPStrategy"
+                      " (same --state-dict-type default, sharded) instead of the Trainer's")
     demo.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
 
     commands.add_parser("status", help="installed Lightning, torch and wrapt, and what the shim did with each flavour")
@@ -34,9 +38,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     consolidate = commands.add_parser(
         "consolidate",
         help="turn a sharded checkpoint directory into one full checkpoint file, in one process",
-        description="Read a sharded FSDP checkpoint directory (this package's or Lightning >= 2.1's) and write one"
-        " full Lightning checkpoint file: weights under state_dict, optimizer states in PyTorch's format, everything"
-        " else of meta.pt kept. Needs no GPU and no process group; SRC is never modified.",
+        description="Read a sharded FSDP checkpoint directory (this package's or Lightning >= 2.1's, written by the"
+        " Trainer or by Fabric) and write the full checkpoint file the same run would have written. The Trainer's:"
+        " weights under state_dict, optimizer states in PyTorch's format. Fabric's: each module and optimizer under"
+        " its own key, optimizer states keyed by parameter name. Everything else of meta.pt is kept. Needs no GPU and"
+        " no process group; SRC is never modified.",
     )
     consolidate.add_argument("src", type=Path, metavar="SRC", help="the sharded checkpoint directory")
     consolidate.add_argument("dst", type=Path, metavar="DST", help="the full checkpoint file to write")
@@ -56,16 +62,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 def run_consolidate(args: argparse.Namespace) -> int:
     """Exit status 0 when DST was written, 1 when the conversion was refused (the reason on stderr)."""
     from ._consolidate import consolidate
+    from ._format import TRAINER
 
     try:
         summary = consolidate(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet)
     except (OSError, ValueError, NotImplementedError) as error:
         print(f"lightning_fsdp_resume consolidate: error: {error}", file=sys.stderr)
         return 1
-    print(
-        f"Wrote {str(args.dst)!r}: {summary.entries} state_dict entries, {summary.optimizers} optimizer states,"
-        f" {summary.tensor_bytes / 2**20:.1f} MiB of tensors."
-    )
+    if summary.writer == TRAINER:
+        held = f"{summary.weights['state_dict']} state_dict entries, {len(summary.optimizers)} optimizer states"
+    else:
+        modules = ", ".join(f"{key!r} ({count} entries)" for key, count in summary.weights.items())
+        held = f"Fabric checkpoint: modules {modules}; optimizers {', '.join(map(repr, summary.optimizers)) or 'none'}"
+    print(f"Wrote {str(args.dst)!r}: {held}, {summary.tensor_bytes / 2**20:.1f} MiB of tensors.")
     return 0
 
 

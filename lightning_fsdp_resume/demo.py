@@ -2,10 +2,12 @@
 
 ``run_demo`` orchestrates torchrun launches of this module: the reference run, the run that stops
 after ``--stop-after`` epochs (checkpointing each epoch), and the run that resumes from its last
-checkpoint; with ``--compare-stock`` first that pair with patching off (stock Lightning). Each rank
-program records, on rank 0, the loss of every step and the gathered weights at every epoch end, and
-each failing rank its error; the orchestrator compares each resumed run with the reference by one
-routine and prints a table, a column per resumed run, and a verdict per run.
+checkpoint; with ``--compare-stock`` first that pair with patching off (stock Lightning). The rank
+program trains with the Trainer (``trainer.fit``, ``ModelCheckpoint``, ``ckpt_path``) or, with
+``--fabric``, in a Fabric loop (``fabric.save``/``fabric.load``); both share the model, the data and
+the records: on rank 0, the loss of every step and the gathered weights at every epoch end, and each
+failing rank's error. The orchestrator compares each resumed run with the reference by one routine and
+prints a table, a column per resumed run, and a verdict per run.
 """
 import argparse
 import json
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from . import DISABLE_ENV
-from ._versions import FLAVOURS, installed_version
+from ._versions import FABRIC, FLAVOURS, TRAINER, installed_version
 
 PROGRESS = "demo: "
 SHIM = "lightning_fsdp_resume"  # the shim's column
@@ -46,12 +48,13 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"[{number}/{len(phases)}] {name} run: {what}", flush=True)
         # Stock 2.0.x forwards unknown arguments to torch's FSDP, which rejects state_dict_type.
         shim_only = ["--state-dict-type", args.state_dict_type] if patched else []
-        code = _launch(args.ranks, workdir / name, ["--hidden", str(args.hidden), *shim_only, *extra], patched)
+        loop = ["--fabric"] if args.fabric else []
+        code = _launch(args.ranks, workdir / name, ["--hidden", str(args.hidden), *loop, *shim_only, *extra], patched)
         if code != 0 and patched:
             print(f"The {name} run failed (exit status {code}); its output is above.", file=sys.stderr)
             return code
     stock = workdir / "stock-resumed" if args.compare_stock else None
-    return _report(workdir / "reference", workdir / "resumed", args.stop_after, stock)
+    return _report(workdir / "reference", workdir / "resumed", args.stop_after, stock, FABRIC if args.fabric else TRAINER)
 
 
 def _launch(ranks: int, out: Path, args: List[str], patched: bool) -> int:
@@ -94,15 +97,15 @@ class _Comparison(NamedTuple):
     failure: Optional[str]  # how the run failed: "RuntimeError: <first line>", "no output"
 
 
-def _report(reference: Path, resumed: Path, stop_after: int, stock: Optional[Path] = None) -> int:
-    """Print the shim's resumed run against the reference, stock Lightning's in a column before it if given,
-    and a verdict for each; 0 when the shim's run is exact."""
+def _report(reference: Path, resumed: Path, stop_after: int, stock: Optional[Path] = None, kind: str = TRAINER) -> int:
+    """Print the shim's resumed run against the reference, stock Lightning's (``kind``: the Trainer's or Fabric's)
+    in a column before it if given, and a verdict for each; 0 when the shim's run is exact."""
     import torch
 
     ref_losses = _losses(reference)
     ref_steps = {epoch: torch.load(path, weights_only=False)["step"] for epoch, path in _epoch_files(reference).items()}
     epochs = sorted(epoch for epoch in ref_steps if epoch >= stop_after)
-    columns = {_stock_label(): stock, SHIM: resumed} if stock is not None else {"": resumed}
+    columns = {_stock_label(kind): stock, SHIM: resumed} if stock is not None else {"": resumed}
     results = {label: _compare(reference, run, epochs, ref_losses) for label, run in columns.items()}
     width = 16 + 1 + 18  # a column: resumed loss, largest |Δ param|
     print()
@@ -153,13 +156,14 @@ def _cell(result: _Comparison, epoch: int, width: int) -> str:
     return f"{what:^{width}}"
 
 
-def _stock_label() -> str:
-    return f"stock Lightning {_lightning_version() or '(not installed)'}"
+def _stock_label(kind: str = TRAINER) -> str:
+    return f"stock {'Fabric' if kind == FABRIC else 'Lightning'} {_lightning_version(kind) or '(not installed)'}"
 
 
-def _lightning_version() -> Optional[str]:
-    """The release the rank program imports: ``lightning``'s, else ``pytorch_lightning``'s (None: neither)."""
-    return next(filter(None, map(installed_version, FLAVOURS)), None)
+def _lightning_version(kind: str = TRAINER) -> Optional[str]:
+    """The release the rank program imports for ``kind``: ``lightning``'s, else the standalone package's (Trainer:
+    ``pytorch_lightning``, Fabric: ``lightning_fabric``); None: neither."""
+    return next(filter(None, (installed_version(flavour) for flavour in FLAVOURS if flavour.kind == kind)), None)
 
 
 def _failure(run: Path) -> Optional[str]:
@@ -189,6 +193,7 @@ def _rank_main(argv: List[str]) -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--state-dict-type", default=None)  # omitted for stock FSDPStrategy, which lacks it
     parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--fabric", action="store_true", help="train with Fabric, not the Trainer")
     args = parser.parse_args(argv)
 
     import torch
@@ -197,71 +202,169 @@ def _rank_main(argv: List[str]) -> None:
 
     from .testing import enable_cpu_fsdp, leave_process_group
 
-    try:
-        import lightning.pytorch as L
-    except ImportError:
-        import pytorch_lightning as L
-    from torch import nn
-
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if torch.cuda.device_count() >= ranks:
         accelerator = "gpu"
     else:
         enable_cpu_fsdp()
         accelerator = "cpu"
-
-    class Regressor(L.LightningModule):
-        def __init__(self, hidden: int) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
-            self.out = nn.Linear(hidden, 4)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.mse_loss(self.out(self.net(x)), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.trainer.model.parameters(), lr=3e-3)
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.global_rank == 0:
-                with open(args.out / "losses.jsonl", "a") as log:
-                    log.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
-
-        def on_train_epoch_end(self, trainer, module):
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            with FSDP.summon_full_params(trainer.model, writeback=False):
-                params = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
-            if trainer.global_rank == 0:
-                record = {"step": trainer.global_step, "params": params}
-                torch.save(record, args.out / f"weights_epoch{trainer.current_epoch}.pt")
-                print(f"{PROGRESS}epoch {trainer.current_epoch} done at step {trainer.global_step}", flush=True)
-
     args.out.mkdir(parents=True, exist_ok=True)
-    L.seed_everything(0, workers=True)
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(256, 16, generator=generator)
-    y = torch.sin(x[:, :4]) + 0.1 * torch.randn(256, 4, generator=generator)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-    strategy_options = {"state_dict_type": args.state_dict_type} if args.state_dict_type else {}  # none for stock
-    strategy = L.strategies.FSDPStrategy(**strategy_options)
-    # dirpath a str, as usually written: a Path is pickled into the checkpoint, and since torch 2.6 stock
-    # Lightning 2.0.x (torch.load with weights_only=True) fails on it before it gets to FSDP.
-    checkpoints = L.callbacks.ModelCheckpoint(dirpath=str(args.out / "ckpt"), filename="{epoch}", save_top_k=-1)
-    trainer = L.Trainer(
-        accelerator=accelerator, devices=ranks, strategy=strategy, max_epochs=args.epochs,
-        callbacks=[checkpoints, Record()],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-    )
     try:
-        trainer.fit(Regressor(args.hidden), train_dataloaders=data, ckpt_path=args.ckpt_path)
+        (_fit_with_fabric if args.fabric else _fit_with_trainer)(args, accelerator, ranks)
     except Exception as error:  # recorded for the report (stock Lightning's resume may fail), then raised
         first_line = next(iter(str(error).splitlines()), "")
         (args.out / f"{FAILED}{os.environ.get('RANK', '0')}.txt").write_text(f"{type(error).__name__}: {first_line}")
         raise
     leave_process_group()
+
+
+def _fit_with_trainer(args: argparse.Namespace, accelerator: str, ranks: int) -> None:
+    """``trainer.fit``, checkpointing every epoch with ``ModelCheckpoint``; resumes with ``ckpt_path``."""
+    try:
+        import lightning.pytorch as L
+    except ImportError:
+        import pytorch_lightning as L
+
+    class Regressor(_model_class(L.LightningModule)):  # type: ignore[misc]
+        def training_step(self, batch, batch_idx):
+            return _loss(self, batch)
+
+        def configure_optimizers(self):
+            return _optimizer(self.trainer.model.parameters())
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            _record_loss(args.out, trainer.global_rank, trainer.global_step, outputs["loss"])
+
+        def on_train_epoch_end(self, trainer, module):
+            _record_weights(args.out, trainer.global_rank, trainer.model, module, trainer.current_epoch, trainer.global_step)
+
+    L.seed_everything(0, workers=True)
+    # dirpath a str, as usually written: a Path is pickled into the checkpoint, and since torch 2.6 stock
+    # Lightning 2.0.x (torch.load with weights_only=True) fails on it before it gets to FSDP.
+    checkpoints = L.callbacks.ModelCheckpoint(dirpath=str(args.out / "ckpt"), filename="{epoch}", save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=ranks, strategy=L.strategies.FSDPStrategy(**_strategy_options(args)),
+        max_epochs=args.epochs, callbacks=[checkpoints, Record()],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+    )
+    trainer.fit(Regressor(args.hidden), train_dataloaders=_data(), ckpt_path=args.ckpt_path)
+
+
+def _fit_with_fabric(args: argparse.Namespace, accelerator: str, ranks: int) -> None:
+    """A plain loop: ``fabric.save`` of the model, optimizer, LR scheduler, epoch and step after every epoch, named
+    as ``ModelCheckpoint`` names the Trainer's; resumes with ``fabric.load`` of the same state."""
+    import torch
+
+    try:
+        import lightning.fabric as F
+    except ImportError:
+        import lightning_fabric as F
+
+    F.seed_everything(0, workers=True)
+    # As the Trainer's deterministic=True; cuBLAS needs the workspace setting for it.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    fabric = F.Fabric(accelerator=accelerator, devices=ranks, strategy=F.strategies.FSDPStrategy(**_strategy_options(args)))
+    fabric.launch()  # under torchrun it starts nothing; Fabric 2.1+ refuses to set up a model without it
+    module = _model_class(torch.nn.Module)(args.hidden)
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(_optimizer(model.parameters()))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+    data = fabric.setup_dataloaders(_data())
+    # Stock Fabric 2.0.x (run without --state-dict-type, which it lacks) converts only modules and optimizers to
+    # state dicts: it would pickle the scheduler, with the Fabric optimizer it holds, and fail. Its users save the
+    # scheduler's state dict; Fabric 2.1 (and the shim) saves and loads the scheduler object.
+    stock = args.state_dict_type is None
+
+    def scheduler_entry():
+        return scheduler.state_dict() if stock else scheduler
+
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler_entry(), "epoch": 0, "step": 0}
+    if args.ckpt_path:
+        fabric.load(args.ckpt_path, state)
+        if state["scheduler"] is not scheduler:  # stock; native Fabric 2.1 to 2.6's sharded load puts a state dict there
+            scheduler.load_state_dict(state["scheduler"])
+            state["scheduler"] = scheduler_entry()
+    (args.out / "ckpt").mkdir(exist_ok=True)  # a full save does not make it, natively or with the shim
+    for epoch in range(state["epoch"], args.epochs):
+        for batch in data:
+            optimizer.zero_grad()
+            loss = _loss(model, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            state["step"] += 1
+            _record_loss(args.out, fabric.global_rank, state["step"], loss)
+        scheduler.step()
+        state.update(epoch=epoch + 1, scheduler=scheduler_entry())
+        fabric.save(args.out / "ckpt" / f"epoch={epoch}.ckpt", state)
+        _record_weights(args.out, fabric.global_rank, model, module, epoch, state["step"])
+
+
+# --- what the Trainer's and Fabric's runs share: model, data, optimizer, the records ---------------------
+
+
+def _strategy_options(args: argparse.Namespace) -> Dict[str, str]:
+    return {"state_dict_type": args.state_dict_type} if args.state_dict_type else {}  # none for stock
+
+
+def _model_class(base: type) -> type:
+    """The demo's regressor on ``base``: ``nn.Module`` for Fabric, ``LightningModule`` for the Trainer."""
+    from torch import nn
+
+    class Regressor(base):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+            self.out = nn.Linear(hidden, 4)
+
+        def forward(self, x):
+            return self.out(self.net(x))
+
+    return Regressor
+
+
+def _loss(model, batch):
+    from torch import nn
+
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _optimizer(parameters):
+    import torch
+
+    return torch.optim.AdamW(parameters, lr=3e-3)
+
+
+def _data():
+    import torch
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 16, generator=generator)
+    y = torch.sin(x[:, :4]) + 0.1 * torch.randn(256, 4, generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def _record_loss(out: Path, rank: int, step: int, loss) -> None:
+    """Rank 0: the loss of ``step`` (its own batch's), one JSON line."""
+    if rank == 0:
+        with open(out / "losses.jsonl", "a") as log:
+            log.write(json.dumps({"step": step, "loss": float(loss)}) + "\n")
+
+
+def _record_weights(out: Path, rank: int, wrapped, module, epoch: int, step: int) -> None:
+    """Every rank gathers the full weights of ``module`` (inside ``wrapped``, which holds the FSDP root); rank 0
+    saves them for the comparison and says the epoch is done."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    root = next(m for m in wrapped.modules() if isinstance(m, FSDP))
+    with FSDP.summon_full_params(root, writeback=False):
+        params = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+    if rank == 0:
+        torch.save({"step": step, "params": params}, out / f"weights_epoch{epoch}.pt")
+        print(f"{PROGRESS}epoch {epoch} done at step {step}", flush=True)
 
 
 if __name__ == "__main__":

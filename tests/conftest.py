@@ -46,6 +46,18 @@ def fabric_reference(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """One rank over gloo, in this process, for a test module: torch.distributed.checkpoint wants a process
+    group on torch < 2.2, FSDP always."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Where tox asks for it, write this run's versions, shim modes and counts for the matrix table."""
     target = os.environ.get(RESULTS_ENV)

@@ -15,17 +15,6 @@ from test_activation import PATCHABLE_TRAINERS, strategy_class
 needs_patch = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
 
 
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    """torch.distributed.checkpoint wants a process group on torch < 2.2: one rank over gloo."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _strategy(kind: str):
     strategy = strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type=kind)
     strategy.broadcast = lambda obj, src=0: obj  # one process: rank 0's value is everyone's

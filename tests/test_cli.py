@@ -28,9 +28,41 @@ def test_demo_resumes_bit_exactly_and_says_so(tmp_path):
     assert (tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt" / "meta.pt").is_file()
 
 
-def _demo_lightning_is_patched():
-    version = _lightning_version()
+def _demo_lightning_is_patched(kind=_versions.TRAINER):
+    version = _lightning_version(kind)
     return version is not None and _versions.decide(version)[0] == _versions.PATCH
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not cpu_fsdp_supported()[0], reason=cpu_fsdp_supported()[1])
+def test_demo_fabric_resumes_bit_exactly_through_fabric_save_and_load(tmp_path):
+    """Patched Fabric 2.0.x or native Fabric alike; Fabric's default checkpoint is sharded. Two epochs after the
+    resume, so that the LR scheduler steps on the loaded optimizer."""
+    result = cli("demo", "--fabric", "--epochs", "3", "--stop-after", "1", "--hidden", "8", "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[3/3] resumed run" in result.stdout and "(sharded)" in result.stdout
+    assert "PASS: resumed from epoch 1, every loss from step 17 on" in result.stdout
+    meta = torch.load(tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt" / "meta.pt", weights_only=False)
+    assert set(meta) == {"scheduler", "epoch", "step"}  # model and optimizer are in the shards
+    assert (meta["epoch"], meta["step"], meta["scheduler"]["last_epoch"]) == (1, 16, 1)
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not cpu_fsdp_supported()[0], reason=cpu_fsdp_supported()[1])
+@pytest.mark.skipif(not _demo_lightning_is_patched(_versions.FABRIC), reason="the demo's Fabric is native: stock has no bug to show")
+def test_demo_fabric_compare_stock_shows_stock_fabric_failing_and_the_shim_exact_with_full_files(tmp_path):
+    args = ("demo", "--fabric", "--compare-stock", "--state-dict-type", "full", "--epochs", "2", "--stop-after", "1",
+            "--hidden", "8", "--workdir", str(tmp_path))
+    result = cli(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert any("stock Fabric 2.0" in line and "lightning_fsdp_resume" in line for line in lines), result.stdout
+    row = next(line.split() for line in lines if line.split()[:1] == ["1"])
+    assert "resume failed: RuntimeError" in " ".join(row) and row[-1] == "0", result.stdout
+    assert any(line.startswith("stock Fabric 2.0") and "FAIL: resume failed: RuntimeError: Error(s) in loading state_dict"
+               in line for line in lines), result.stdout
+    assert "lightning_fsdp_resume: PASS: resumed from epoch 1" in result.stdout
+    assert (tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt").is_file()  # --state-dict-type full: one file
 
 
 @pytest.mark.multirank
@@ -102,7 +134,7 @@ def test_demo_verdict_demands_exact_equality(tmp_path, capsys, loss, weight, ver
 ])
 def test_demo_compare_stock_verdict_is_the_shims_and_shows_stock(tmp_path, capsys, monkeypatch, stock, shim_weight,
                                                                  verdict, shown):
-    monkeypatch.setattr("lightning_fsdp_resume.demo._lightning_version", lambda: "2.0.9")
+    monkeypatch.setattr("lightning_fsdp_resume.demo._lightning_version", lambda kind=_versions.TRAINER: "2.0.9")
     _write_run(tmp_path / "reference", {1: 0.7, 2: 0.5}, 1.0)
     _write_run(tmp_path / "resumed", {2: 0.5}, shim_weight)
     if stock == "differs":
@@ -117,6 +149,16 @@ def test_demo_compare_stock_verdict_is_the_shims_and_shows_stock(tmp_path, capsy
     assert ("0.90000000" in row and "0.25" in row) if stock == "differs" else "resume failed" in row
     if verdict == 0:
         assert "lightning_fsdp_resume: PASS" in out
+
+
+def test_demo_compare_stock_names_stock_fabric_for_fabric_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("lightning_fsdp_resume.demo._lightning_version", lambda kind=_versions.TRAINER: "2.0.9")
+    _write_run(tmp_path / "reference", {1: 0.7, 2: 0.5}, 1.0)
+    _write_run(tmp_path / "resumed", {2: 0.5}, 1.0)
+    (tmp_path / "stock").mkdir()
+    assert _report(tmp_path / "reference", tmp_path / "resumed", 1, tmp_path / "stock", _versions.FABRIC) == 0
+    out = capsys.readouterr().out
+    assert "stock Fabric 2.0.9" in out.splitlines()[1] and "stock Fabric 2.0.9: FAIL: resume failed: no output" in out
 
 
 def test_help_lists_consolidate_and_its_arguments():

@@ -7,18 +7,20 @@ checkpoint of the first configuration, which consolidating must reproduce exactl
 session's ``reference`` runs, which the multi-rank suite makes too.
 """
 import hashlib
+import importlib
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
-from lightning_fsdp_resume import _consolidate
+from lightning_fsdp_resume import _consolidate, _versions
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
-from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported
-from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, config, needs_consolidate, worker
+from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
+from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, _consolidate_missing, config, needs_consolidate, worker
 from states import assert_identical, assert_ranks_identical, differences, load
 
 
@@ -253,3 +255,229 @@ def test_command_line_writes_the_same_file_and_shows_progress(reference, tmp_pat
     expected, written = load(dst), load(tmp_path / "cli.ckpt")
     assert_identical(expected["state_dict"], written["state_dict"], "state_dict")
     assert_identical(expected["optimizer_states"], written["optimizer_states"], "optimizer_states")
+
+
+# --- Fabric's sharded checkpoints: written by fabric.save on one CPU rank, in this process ------------
+
+
+class FabricRun(NamedTuple):
+    sharded: Path  # fabric.save with state_dict_type="sharded"
+    full: Path  # the same state, saved by the same strategy with state_dict_type="full"
+    expected: dict  # what the consolidated file must hold, gathered from the live module and optimizers
+    use_orig_params: bool
+
+
+FABRIC_KEYS = ("net", "opt_a", "opt_idle", "sched", "epoch", "note")
+
+
+def _fabric_namespace():
+    for package in ("lightning.fabric", "lightning_fabric"):
+        try:
+            return importlib.import_module(package)
+        except ImportError:
+            continue
+    pytest.skip("no Fabric installed")
+
+
+def _fabric_setup(use_orig_params: bool, seed: int):
+    """A Fabric with FSDP on one CPU rank, a nested model (an FSDP unit per Linear), Adam with a scheduler, and
+    an optimizer that never steps; the user's keys, not the Trainer's."""
+    from torch import nn
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    fabric_ns = _fabric_namespace()
+    strategy = fabric_ns.strategies.FSDPStrategy(
+        state_dict_type="sharded", auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params
+    )
+    fabric = fabric_ns.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    net = fabric.setup_module(net)
+    opt_a, opt_idle = fabric.setup_optimizers(torch.optim.Adam(net.parameters(), lr=1e-2),
+                                              torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    sched = torch.optim.lr_scheduler.StepLR(opt_a, step_size=2, gamma=0.5)
+    return fabric, {"net": net, "opt_a": opt_a, "opt_idle": opt_idle, "sched": sched, "epoch": 0, "note": None}
+
+
+def _full_weights(net):
+    """The FSDP module's full weights by the user's parameter names, bit for bit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(net._forward_module, writeback=False):
+        named = net._forward_module.module.named_parameters()
+        return {name.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for name, p in named}
+
+
+def _full_optimizer_state(net, optimizer):
+    """FSDP's own full, name-keyed optimizer state dict (what native Fabric's full save writes)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp.api import FullOptimStateDictConfig, FullStateDictConfig
+
+    root = net._forward_module
+    with FSDP.state_dict_type(root, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                              FullOptimStateDictConfig(rank0_only=False)):
+        return FSDP.optim_state_dict(root, optimizer.optimizer)
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["flat-params", "orig-params"])
+def fabric_run(request, process_group, tmp_path_factory):
+    """A Fabric checkpoint of three steps of training, sharded and full, and what consolidating must give.
+
+    One process: FSDP over a one-rank gloo group (torch then shards nothing, NO_SHARD; the 2-rank test below
+    has real shards). enable_cpu_fsdp() stays on for the module's tests, which load into new Fabrics."""
+    if not cpu_fsdp_supported()[0] or _consolidate_missing():
+        pytest.skip(cpu_fsdp_supported()[1] or "consolidate needs torch >= 2.2")
+    supported, why = cpu_optimizer_state_supported(bool(request.param))
+    if not supported:
+        pytest.skip(why)
+    version = _fabric_namespace().__version__
+    if request.param and _versions.decide(version)[0] == _versions.PATCH:
+        pytest.skip(f"Fabric {version} refuses optimizers of use_orig_params=True modules in setup_optimizers")
+    environ = dict(os.environ)  # Fabric's launch sets MASTER_PORT, WORLD_SIZE, ... for its children
+    enable_cpu_fsdp()
+    try:
+        fabric, state = _fabric_setup(bool(request.param), seed=0)
+        data = torch.randn(3, 16, 4, generator=torch.Generator().manual_seed(1))
+        for batch in data:
+            fabric.backward(state["net"](batch).square().mean())
+            state["opt_a"].step()
+            state["opt_a"].zero_grad()
+            state["sched"].step()
+        state.update(epoch=3, note="three steps")
+        root = tmp_path_factory.mktemp("fabric")
+        fabric.save(root / "sharded.ckpt", state)
+        # The same strategy writes the full file: native 2.1+ and the shim read _state_dict_type at each save.
+        fabric.strategy._state_dict_type = "full"
+        fabric.save(root / "full.ckpt", state)
+        fabric.strategy._state_dict_type = "sharded"
+        expected = {
+            "net": _full_weights(state["net"]),
+            "opt_a": _full_optimizer_state(state["net"], state["opt_a"]),
+            "opt_idle": _full_optimizer_state(state["net"], state["opt_idle"]),
+            "sched": state["sched"].state_dict(), "epoch": 3, "note": "three steps",
+        }
+        yield FabricRun(root / "sharded.ckpt", root / "full.ckpt", expected, bool(request.param))
+    finally:
+        disable_cpu_fsdp()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _consolidated_fabric(run: FabricRun, tmp_path: Path):
+    dst = tmp_path / "fabric-full.ckpt"
+    summary = consolidate(run.sharded, dst, progress=False)
+    return summary, load(dst)
+
+
+def test_fabric_checkpoint_becomes_fabrics_full_file_with_the_users_keys(fabric_run, tmp_path):
+    summary, consolidated = _consolidated_fabric(fabric_run, tmp_path)
+    assert summary.writer == "fabric" and summary.optimizers == ("opt_a", "opt_idle") and summary.weights == {"net": 6}
+    assert set(consolidated) == set(FABRIC_KEYS)
+    assert "state_dict" not in consolidated and "optimizer_states" not in consolidated
+
+
+def test_fabric_module_entry_is_the_modules_full_weights(fabric_run, tmp_path):
+    _, consolidated = _consolidated_fabric(fabric_run, tmp_path)
+    assert list(consolidated["net"]) == list(fabric_run.expected["net"])  # the module's order
+    assert_identical(fabric_run.expected["net"], consolidated["net"], "weights")
+
+
+def test_fabric_optimizer_entries_are_fsdps_full_name_keyed_state(fabric_run, tmp_path):
+    _, consolidated = _consolidated_fabric(fabric_run, tmp_path)
+    for key in ("opt_a", "opt_idle"):
+        assert_identical(fabric_run.expected[key], consolidated[key], key)
+    assert set(consolidated["opt_a"]["state"]) == set(fabric_run.expected["net"])  # keyed by parameter name
+    # opt_idle never stepped: on torch 2.4 its state is empty and only its groups are stored (consolidate adds
+    # the empty state); torch 2.13's FSDP fills it with zero momentum buffers when it is saved.
+    assert "state" in consolidated["opt_idle"]
+
+
+def test_fabric_meta_entries_are_kept(fabric_run, tmp_path):
+    _, consolidated = _consolidated_fabric(fabric_run, tmp_path)
+    meta = load(fabric_run.sharded / "meta.pt")
+    assert set(meta) == {"sched", "epoch", "note"}
+    assert_identical(meta, {key: consolidated[key] for key in meta}, "meta.pt entries")
+    assert consolidated["sched"] == fabric_run.expected["sched"] and consolidated["epoch"] == 3
+
+
+def test_fabric_result_equals_the_full_save_of_the_same_state(fabric_run, tmp_path):
+    _, consolidated = _consolidated_fabric(fabric_run, tmp_path)
+    assert_identical(load(fabric_run.full), consolidated, "the full save and the consolidated file")
+
+
+def test_fabric_load_of_the_consolidated_file_restores_weights_and_optimizer_exactly(fabric_run, tmp_path):
+    """Into a new Fabric and model of the same setup (other initial weights), as a resume does."""
+    _consolidated_fabric(fabric_run, tmp_path)
+    fabric, state = _fabric_setup(fabric_run.use_orig_params, seed=1)
+    assert differences(fabric_run.expected["net"], _full_weights(state["net"]))  # not already equal
+    # Native Fabric 2.1.4 cannot load a never-stepped optimizer from a full file (it reads its first state
+    # key): leave opt_idle in the checkpoint, which load then returns.
+    del state["opt_idle"]
+    remainder = fabric.load(tmp_path / "fabric-full.ckpt", state)
+    assert_identical(fabric_run.expected["net"], _full_weights(state["net"]), "loaded weights")
+    assert_identical(fabric_run.expected["opt_a"], _full_optimizer_state(state["net"], state["opt_a"]), "loaded opt_a")
+    assert state["sched"].state_dict() == fabric_run.expected["sched"]
+    assert (state["epoch"], state["note"]) == (3, "three steps")
+    assert set(remainder) == {"opt_idle"}
+
+
+def test_fabric_command_line_names_the_entries(fabric_run, tmp_path):
+    import subprocess
+
+    command = [sys.executable, "-m", "lightning_fsdp_resume", "consolidate", str(fabric_run.sharded), str(tmp_path / "cli.ckpt")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(
+        f"Wrote '{tmp_path / 'cli.ckpt'}': Fabric checkpoint: modules 'net' (6 entries); optimizers 'opt_a', 'opt_idle',"
+    ), result.stdout
+    assert_identical(load(fabric_run.full), load(tmp_path / "cli.ckpt"), "the full save and the CLI's file")
+
+
+@pytest.mark.parametrize("source", ["consolidated", "sharded"])
+def test_fabric_load_leaves_the_scheduler_steering_the_loaded_optimizer(fabric_run, tmp_path, source):
+    """A resume goes on stepping the LR scheduler made on Fabric's optimizer: its rates must reach the optimizer
+    that was loaded (Fabric 2.0.x's wrapper keeps a copy of the optimizer's groups)."""
+    path = fabric_run.sharded
+    if source == "consolidated":
+        _consolidated_fabric(fabric_run, tmp_path)
+        path = tmp_path / "fabric-full.ckpt"
+    fabric, state = _fabric_setup(fabric_run.use_orig_params, seed=1)
+    del state["opt_idle"]
+    optimizer, scheduler = state["opt_a"], state["sched"]
+    fabric.load(path, state)
+    if state["sched"] is not scheduler:  # native Fabric 2.1 to 2.6's sharded load puts the state dict there
+        scheduler.load_state_dict(state["sched"])
+    assert optimizer.optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == 5e-3  # 1e-2 halved at step 2
+    scheduler.step()  # the 4th: StepLR(step_size=2) halves again
+    assert optimizer.optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == 2.5e-3
+    assert optimizer.param_groups[0]["lr"] == 2.5e-3
+
+
+@multirank
+@needs_consolidate
+def test_fabric_resume_on_2_ranks_from_the_consolidated_file_is_bit_exact(tmp_path):
+    """Real shards: the demo's Fabric loop (model, AdamW, StepLR, epoch, step) on 2 ranks checkpoints, sharded,
+    after epoch 0. The file consolidated from it resumes in 2 new ranks through fabric.load (full) and matches
+    the uninterrupted run: every loss and the gathered weights at every epoch end, and its last checkpoint, all
+    ranks' weights and optimizer state and the scheduler, consolidated, equals the uninterrupted run's."""
+    from lightning_fsdp_resume.demo import _compare, _launch, _losses
+
+    run = ["--fabric", "--hidden", "8", "--state-dict-type", "sharded"]
+    assert _launch(2, tmp_path / "reference", [*run, "--epochs", "3"], True) == 0
+    assert _launch(2, tmp_path / "interrupted", [*run, "--epochs", "1"], True) == 0
+    dst = tmp_path / "epoch0.ckpt"
+    summary = consolidate(tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt", dst, progress=False)
+    assert (summary.writer, summary.optimizers) == ("fabric", ("optimizer",))
+    assert _launch(2, tmp_path / "resumed", [*run, "--epochs", "3", "--ckpt-path", str(dst)], True) == 0
+
+    result = _compare(tmp_path / "reference", tmp_path / "resumed", [1, 2], _losses(tmp_path / "reference"))
+    assert result.exact and result.first_step == 17 and set(result.rows) == {1, 2}, result
+    last = {name: tmp_path / f"{name}-last.ckpt" for name in ("reference", "resumed")}
+    for name, path in last.items():
+        consolidate(tmp_path / name / "ckpt" / "epoch=2.ckpt", path, progress=False)
+    reference, resumed = load(last["reference"]), load(last["resumed"])
+    assert set(reference) == {"model", "optimizer", "scheduler", "epoch", "step"}
+    assert reference["optimizer"]["state"] and (reference["epoch"], reference["step"]) == (3, 48)
+    assert_identical(reference, resumed, "the last checkpoints, consolidated")

@@ -78,3 +78,28 @@ def test_saved_optimizers_are_counted_from_storage_keys():
     keys = ["model.a", "optimizer_0.state.a.exp_avg", "optimizer_0.param_groups", "optimizer_1.state.b.m"]
     assert _format.count_saved_optimizers(keys) == 2
     assert _format.count_saved_optimizers(["model.a"]) == 0
+
+
+VERSION_KEY = "pytorch-lightning_version"
+
+
+@pytest.mark.parametrize("stored,meta,writer", [
+    (["model", "optimizer_0", "optimizer_1"], ["epoch", "global_step", VERSION_KEY, "loops"], "trainer"),
+    (["model"], ["epoch", VERSION_KEY], "trainer"),  # weights only
+    (["net", "opt_a"], ["sched", "epoch", "step"], "fabric"),
+    (["model", "optimizer_0"], ["epoch", "step"], "fabric"),  # a Fabric user's choice of the Trainer's keys
+    (["model", "optimizer"], ["epoch", VERSION_KEY], "fabric"),  # not the Trainer's optimizer keys
+])
+def test_sharded_checkpoint_writer_needs_the_trainers_keys_and_its_version_entry(stored, meta, writer):
+    assert _format.sharded_checkpoint_writer(stored, meta) == writer
+
+
+@pytest.mark.parametrize("paths,optimizer", [
+    ([("opt", "state", "body.0.weight", "exp_avg"), ("opt", "param_groups", 0, "lr")], True),
+    ([("opt", "param_groups", 0, "lr"), ("opt", "param_groups", 0, "params")], True),  # never stepped
+    ([("opt", "param_groups")], True),  # groups stored as one object
+    ([("net", "body.0.weight"), ("net", "state.weight"), ("net", "param_groups.bias")], False),
+    ([("net", "state")], False),  # a parameter named "state"
+])
+def test_optimizer_entries_are_told_by_their_nested_paths(paths, optimizer):
+    assert _format.is_optimizer_entry(paths) == optimizer
