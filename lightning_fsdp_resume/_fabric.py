@@ -150,21 +150,22 @@ def _checked(path: Path, module_key: str, requested: List[str], strict: bool) ->
 
 
 def _the_fsdp_module(state: Mapping[str, Any], verb: str, path: Any) -> Tuple[str, Any]:
-    """The one entry of ``state`` that is (or holds) an FSDP module, and its key."""
+    """The one entry of ``state`` that is (or holds) an FSDP module, and its key; ``verb``: save or load."""
+    doing = {"save": "saving", "load": "loading"}[verb]
     modules = [(key, obj) for key, obj in state.items() if _has_fsdp_modules(obj)]
     if not modules:
         raise ValueError(
             "Could not find a FSDP model in the provided checkpoint state. Please provide the model as"
             f" part of the state like so: `{verb}_checkpoint(..., state={{'model': model, ...}})`. Make sure"
-            f" you set up the model (and optimizers if any) through the strategy before {verb}ing the checkpoint."
+            f" you set up the model (and optimizers if any) through the strategy before {doing} the checkpoint."
             f" (Checkpoint: {str(path)!r}.)"
         )
     if len(modules) > 1:
         raise ValueError(
-            f"Found multiple FSDP models in the given state. {verb.capitalize()}ing checkpoints with FSDP is"
-            " currently limited to a single model per checkpoint. To {0} multiple models, call the {0} method for"
-            " each model separately with a different path.".format(verb)
-            + f" (Checkpoint: {str(path)!r}; FSDP models under {', '.join(repr(key) for key, _ in modules)}.)"
+            f"Found multiple FSDP models in the given state. {doing.capitalize()} checkpoints with FSDP is"
+            f" currently limited to a single model per checkpoint. To {verb} multiple models, call the {verb} method"
+            " for each model separately with a different path."
+            f" (Checkpoint: {str(path)!r}; FSDP models under {', '.join(repr(key) for key, _ in modules)}.)"
         )
     return modules[0]
 

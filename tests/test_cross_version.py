@@ -1,4 +1,5 @@
-"""Cross-version checkpoints: patched Lightning 2.0.x and native Lightning 2.1+ resume each other's.
+"""Cross-version checkpoints: patched Lightning 2.0.x and native Lightning 2.1+ resume each other's, with
+the Trainer and with Fabric (``fabric.save``/``fabric.load``).
 
 tox runs this module in three ordered steps on one torch release (the ``xver-*`` environments of
 tox.ini), so both sides shard and compute alike and "exact" means ``torch.equal``. Each step selects
@@ -12,7 +13,8 @@ its tests by marker; all of them share the folder named by ``LIGHTNING_FSDP_RESU
    and the final states equal step 1's reference.
 
 Compared bit for bit: every rank's parameter shards and raw optimizer state, and rank 0's gathered
-weights and optimizer state. Without the variable the module is skipped; with it, missing input fails.
+weights and optimizer state (Fabric: the shards and optimizer state; Fabric's steps use the epochs after
+epoch 0 and 1 instead of 1 and 2, its worker counting from its first save). Without the variable the module is skipped; with it, missing input fails.
 """
 import json
 import os
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import flavour_under_test, worker
+from ranks import fabric_config, fabric_worker, flavour_under_test, worker
 from states import assert_identical, assert_ranks_identical, info, load
 
 DIR_VARIABLE = "LIGHTNING_FSDP_RESUME_XVER_DIR"
@@ -151,3 +153,51 @@ def test_checkpoint_pickles_no_lightning_class(side, checkpoint_format):
     torch.serialization.add_safe_globals([type(Path())])
     loaded = torch.load(pickled, map_location="cpu", weights_only=True)  # names any other global it meets
     assert loaded["epoch"] == 2
+
+
+# --- Fabric: fabric.save of one flavour, fabric.load of the other -------------------------------------------
+
+FABRIC_FORMATS = ["sharded", "full"]
+# What Fabric's steps compare: native Lightning >= 2.1's sharded load replaces the scheduler with its state
+# dict (test_fabric_multirank.py checks the shim does not), so the scheduler's own record is left out.
+FABRIC_PARTS = ("params", "buffers", "optim")
+
+
+def _fabric_run_dir(side: str, kind: str) -> Path:
+    return ROOT / side / f"fabric-{kind}"
+
+
+def _fabric_resume_matches_reference(reference: Path, checkpoint: Path, run: Path, kind: str, restored_as: str) -> None:
+    assert checkpoint.is_dir() if kind == "sharded" else checkpoint.is_file(), f"{checkpoint} is no {kind} checkpoint"
+    fabric_worker(run, *fabric_config(run, kind), "--epochs", EPOCHS, "--resume", checkpoint)
+    for expected, actual in ((restored_as, "start"), ("final", "final")):
+        assert_ranks_identical(reference / "out", expected, run / "out", actual, across_flavours=True, parts=FABRIC_PARTS)
+
+
+@pytest.mark.xver_write
+@pytest.mark.parametrize("kind", FABRIC_FORMATS)
+def test_patched_fabric_saves_a_checkpoint_every_epoch(kind):
+    _require_mode(PATCH)
+    run = _fresh(_fabric_run_dir("patched", kind))
+    fabric_worker(run, *fabric_config(run, kind), "--epochs", EPOCHS)
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == [f"epoch={e}.ckpt" for e in range(EPOCHS)]
+    _record_writer(run)
+
+
+@pytest.mark.xver_resume_native
+@pytest.mark.parametrize("kind", FABRIC_FORMATS)
+def test_native_fabric_loads_patched_checkpoint_bit_exact(kind):
+    _require_mode(NATIVE)
+    reference = _written_by_the_other_flavour(_fabric_run_dir("patched", kind), PATCH)
+    run = _fresh(_fabric_run_dir("native", kind))
+    _fabric_resume_matches_reference(reference, reference / "ckpt" / "epoch=0.ckpt", run, kind, "epoch0")
+    _record_writer(run)
+
+
+@pytest.mark.xver_resume_patched
+@pytest.mark.parametrize("kind", FABRIC_FORMATS)
+def test_patched_fabric_loads_native_checkpoint_bit_exact(kind, tmp_path):
+    _require_mode(PATCH)
+    native = _written_by_the_other_flavour(_fabric_run_dir("native", kind), NATIVE)
+    reference = _fabric_run_dir("patched", kind)
+    _fabric_resume_matches_reference(reference, native / "ckpt" / "epoch=1.ckpt", tmp_path, kind, "epoch1")
