@@ -15,7 +15,7 @@ import importlib
 from typing import Any, Callable, Iterator, Tuple
 
 from ._patcher import Patcher, Wrap
-from ._versions import FLAVOURS
+from ._versions import FABRIC, FLAVOURS
 
 _patcher = Patcher()
 # Where each connector refuses FSDP without a GPU, and the words of its refusal. Trainer 2.0.x: "... but GPU
@@ -23,8 +23,6 @@ _patcher = Patcher()
 # available on GPU". Both keep the accelerator in ``_accelerator_flag``.
 _TRAINER_GPU_ONLY = "GPU accelerator"
 _FABRIC_GPU_ONLY = "FSDP is only available on GPU"
-# Fabric's two namespaces; the standalone one ships in the pytorch-lightning wheel.
-_FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
 
 
 def cpu_fsdp_supported() -> Tuple[bool, str]:
@@ -69,11 +67,12 @@ def enable_cpu_fsdp() -> None:
 
 
 def _gpu_only_checks() -> Iterator[Tuple[str, str, str]]:
-    """(module, connector class, words of its GPU-only refusal) of the Trainer's flavours and Fabric's namespaces."""
+    """(module, connector class, words of its GPU-only refusal) of every flavour: the Trainer's and Fabric's."""
     for flavour in FLAVOURS:
-        yield f"{flavour.package}.trainer.connectors.accelerator_connector", "_AcceleratorConnector", _TRAINER_GPU_ONLY
-    for package in _FABRIC_PACKAGES:
-        yield f"{package}.connector", "_Connector", _FABRIC_GPU_ONLY
+        if flavour.kind == FABRIC:
+            yield f"{flavour.package}.connector", "_Connector", _FABRIC_GPU_ONLY
+        else:
+            yield f"{flavour.package}.trainer.connectors.accelerator_connector", "_AcceleratorConnector", _TRAINER_GPU_ONLY
 
 
 def disable_cpu_fsdp() -> None:
