@@ -303,15 +303,21 @@ def _unwrap(fabric: Any, obj: Any) -> Any:
 
 
 def _refresh_wrapper(obj: Any) -> None:
-    """Fabric 2.0.x's optimizer wrapper holds a copy of the optimizer's attributes, renewed only by its own
-    ``load_state_dict`` (``_refresh``). Loading into the optimizer itself replaces its ``param_groups``: without
-    this, an LR scheduler made on the wrapper (as Fabric's docs do) sets the learning rate of stale groups.
-    Fabric 2.1's wrapper delegates every attribute and has no ``_refresh``."""
+    """Fabric 2.0.x's optimizer wrapper holds a copy of the optimizer's attributes. Loading into the optimizer
+    itself replaces its ``state`` and ``param_groups``: without this, an LR scheduler made on the wrapper (as
+    Fabric's docs do) sets the learning rate of stale groups. 2.0.6 to 2.0.9 renew the copy with ``_refresh``;
+    2.0.0 to 2.0.5 have none, so the two attributes are copied here. Fabric 2.1's wrapper delegates every
+    attribute and has neither."""
     from torch.optim import Optimizer
 
+    inner = getattr(obj, "_optimizer", None)
+    if not isinstance(obj, Optimizer) or not isinstance(inner, Optimizer) or "param_groups" not in vars(obj):
+        return
     refresh = getattr(obj, "_refresh", None)
-    if isinstance(obj, Optimizer) and callable(refresh):
+    if callable(refresh):
         refresh()
+    else:
+        obj.__dict__.update(state=inner.state, param_groups=inner.param_groups)
 
 
 def _with_keyword(original: Callable, name: str, default: Any, annotation: Any) -> inspect.Signature:
