@@ -56,10 +56,12 @@ def is_optimizer_entry(paths: Iterable[Sequence[Any]]) -> bool:
 
     An optimizer state dict always has ``param_groups`` (``(key, "param_groups", 0, "lr")``) and, once
     stepped, ``state`` (``(key, "state", "body.0.weight", "exp_avg")``); a module's are
-    ``(key, parameter name)``, the name one string however many dots it has.
+    ``(key, parameter name)``, the name one string however many dots it has. torch 2.2 stores the state
+    dict of an optimizer that never stepped, which holds no tensor, whole: ``(key,)``. A module's always
+    holds tensors.
     """
     return any(
-        len(path) > 1 and (path[1] == "param_groups" or (path[1] == "state" and len(path) > 2)) for path in paths
+        len(path) == 1 or path[1] == "param_groups" or (path[1] == "state" and len(path) > 2) for path in paths
     )
 
 

@@ -98,6 +98,7 @@ def test_sharded_checkpoint_writer_needs_the_trainers_keys_and_its_version_entry
     ([("opt", "state", "body.0.weight", "exp_avg"), ("opt", "param_groups", 0, "lr")], True),
     ([("opt", "param_groups", 0, "lr"), ("opt", "param_groups", 0, "params")], True),  # never stepped
     ([("opt", "param_groups")], True),  # groups stored as one object
+    ([("opt",)], True),  # torch 2.2: a never-stepped optimizer's state dict, no tensor in it, stored whole
     ([("net", "body.0.weight"), ("net", "state.weight"), ("net", "param_groups.bias")], False),
     ([("net", "state")], False),  # a parameter named "state"
 ])
