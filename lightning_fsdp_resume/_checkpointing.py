@@ -90,6 +90,7 @@ def write_full(strategy: Any, filepath: Any, write: Callable[[Path], None]) -> N
     """Rank 0 ``write``s the whole checkpoint to a hidden partial sibling and puts it at ``filepath``."""
     path, partial = _destination(strategy, filepath)
     if strategy.global_rank == 0:
+        partial.parent.mkdir(parents=True, exist_ok=True)  # as a sharded save and the Trainer's CheckpointIO do
         write(partial)
         _atomic.sync_file(partial)
         _publish(partial, path)

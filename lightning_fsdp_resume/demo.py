@@ -216,12 +216,6 @@ def _rank_main(argv: List[str]) -> None:
         (args.out / f"{FAILED}{os.environ.get('RANK', '0')}.txt").write_text(f"{type(error).__name__}: {first_line}")
         raise
     leave_process_group()
-    # Every record is written and the process group destroyed. After a Fabric run torch's gloo threads can
-    # still abort the interpreter's teardown now and then ("terminate called without an active exception",
-    # exit -6), which would fail a run that finished; the rank ends here, as the tests' forked ranks do.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _fit_with_trainer(args: argparse.Namespace, accelerator: str, ranks: int) -> None:

@@ -84,11 +84,16 @@ def leave_process_group() -> None:
     """End a rank program: wait for every rank, then destroy the process group.
 
     A rank that exits while gloo still talks to it can abort another ("terminate called without an
-    active exception"), e.g. after ``trainer.predict``, which ends without a barrier.
+    active exception"), e.g. after ``trainer.predict``, which ends without a barrier. So can an FSDP
+    module kept alive by reference cycles (after a Fabric loop) and freed only after the process group
+    is gone: it is collected first.
     """
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

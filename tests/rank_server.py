@@ -93,7 +93,7 @@ def launch(worker, args, nproc: int, logs: str, timeout: float) -> dict:
             time.sleep(POLL_S)
             continue
         rank = children[pid]
-        codes[rank] = os.waitstatus_to_exitcode(status)
+        codes[rank] = _exit_code(status)
         if codes[rank] != 0 and not stopped:
             _stop(children, codes, stopped, f"killed by the rank server after rank {rank} failed")
     output = []
@@ -109,6 +109,11 @@ def launch(worker, args, nproc: int, logs: str, timeout: float) -> dict:
     return {"codes": [codes[r] for r in range(len(children))], "output": "\n".join(output) + "\n"}
 
 
+def _exit_code(status: int) -> int:
+    """A waitpid status as an exit code, negative for a signal (os.waitstatus_to_exitcode, new in Python 3.9)."""
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
 def _stop(children, codes, stopped, why: str) -> None:
     """SIGKILL every rank still running, noting why; ranks that have already ended keep their own code."""
     for pid, rank in children.items():
@@ -116,7 +121,7 @@ def _stop(children, codes, stopped, why: str) -> None:
             continue
         ended, status = os.waitpid(pid, os.WNOHANG)
         if ended:
-            codes[rank] = os.waitstatus_to_exitcode(status)
+            codes[rank] = _exit_code(status)
             continue
         stopped[rank] = why
         try:
