@@ -285,15 +285,15 @@ def _run_dcp(verb: str, state: Dict[str, Any], one_process: bool = False, **kwar
 
     import torch.distributed.checkpoint as dcp
 
-    new, deprecated = getattr(dcp, verb), getattr(dcp, f"{verb}_state_dict")
+    new, deprecated = getattr(dcp, verb, None), getattr(dcp, f"{verb}_state_dict")  # dcp.save/load: torch 2.2+
     if distributed() and not one_process:
         # torch 2.2 adds dcp.save()/dcp.load() and deprecates save_state_dict()/load_state_dict().
-        (new if torch_release() >= _DCP_SAVE_LOAD else deprecated)(state, **kwargs)
+        (new if new is not None and torch_release() >= _DCP_SAVE_LOAD else deprecated)(state, **kwargs)
         return
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": that is the intent.
         warnings.filterwarnings("ignore", message=".*single process")
-        if torch_release() >= (2, 3) and "no_dist" in inspect.signature(new).parameters:
+        if new is not None and torch_release() >= (2, 3) and "no_dist" in inspect.signature(new).parameters:
             new(state, no_dist=True, **kwargs)
         else:
             # torch 2.4: dcp.save/load have no no_dist; torch 2.2's gather keys over the missing process
