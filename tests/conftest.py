@@ -3,7 +3,7 @@ import os
 import sys
 from pathlib import Path
 
-# The tests import their helpers (ranks, states, fsdp_worker) by module name.
+# The tests import their helpers from the support package (tests/support).
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
@@ -14,7 +14,7 @@ RESULTS_ENV = "LIGHTNING_FSDP_RESUME_RESULTS"
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """Uninterrupted 2-rank runs, one per configuration, made on first use and shared by the tests."""
-    from ranks import EPOCHS, config, worker
+    from support.ranks import EPOCHS, config, worker
 
     runs = {}
 
@@ -32,7 +32,7 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def fabric_reference(tmp_path_factory):
     """Uninterrupted 2-rank Fabric runs, one per ``state_dict_type``, made on first use and shared by the tests."""
-    from ranks import EPOCHS, fabric_config, fabric_worker
+    from support.ranks import EPOCHS, fabric_config, fabric_worker
 
     runs = {}
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import _run, long_runs
+from support.ranks import _run, long_runs
 
 pytestmark = pytest.mark.multirank
 

@@ -8,7 +8,7 @@ import torch
 from lightning_fsdp_resume import _versions
 from lightning_fsdp_resume.demo import _lightning_version, _report
 from lightning_fsdp_resume.testing import cpu_fsdp_supported
-from ranks import needs_consolidate
+from support.ranks import needs_consolidate
 
 
 def cli(*args, env=None):

@@ -20,8 +20,8 @@ from lightning_fsdp_resume import _consolidate, _versions
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
 from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
-from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, _consolidate_missing, config, needs_consolidate, worker
-from states import assert_identical, assert_ranks_identical, differences, load
+from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, _consolidate_missing, config, needs_consolidate, worker
+from support.states import assert_identical, assert_ranks_identical, differences, load
 
 
 def multirank(test):
@@ -149,7 +149,7 @@ def _consolidated(reference, tmp_path: Path, use_orig_params: int, optimizers: i
 
 
 def _registration_order():
-    from fsdp_worker import Net
+    from support.trainer_worker import Net
 
     return [name for name, _ in Net().named_parameters()]
 
@@ -221,7 +221,7 @@ def test_source_is_never_modified(reference, tmp_path):
 
 @multirank
 def test_result_opens_with_load_from_checkpoint(reference, tmp_path, monkeypatch):
-    from fsdp_worker import Net
+    from support.trainer_worker import Net
 
     # Lightning 2.0.x's loader predates torch 2.6's weights_only default; checkpoints are trusted files.
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from ranks import fabric_config, fabric_worker, flavour_under_test, worker
-from states import assert_identical, assert_ranks_identical, info, load
+from support.ranks import fabric_config, fabric_worker, flavour_under_test, worker
+from support.states import assert_identical, assert_ranks_identical, info, load
 
 DIR_VARIABLE = "LIGHTNING_FSDP_RESUME_XVER_DIR"
 if not os.environ.get(DIR_VARIABLE):

@@ -22,8 +22,8 @@ if not _SUPPORTED:
 if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("lightning_fabric") is None:
     pytest.skip("neither lightning.fabric nor lightning_fabric is installed", allow_module_level=True)
 
-from ranks import EPOCHS, NATIVE, VERSION, fabric_config, fabric_worker  # noqa: E402
-from states import assert_identical, assert_ranks_identical, file_hashes, info, load  # noqa: E402
+from support.ranks import EPOCHS, NATIVE, VERSION, fabric_config, fabric_worker  # noqa: E402
+from support.states import assert_identical, assert_ranks_identical, file_hashes, info, load  # noqa: E402
 
 RESUME_EPOCH = 0
 RESUME = f"epoch={RESUME_EPOCH}.ckpt"

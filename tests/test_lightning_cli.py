@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_fsdp_resume.testing import cpu_fsdp_supported, disable_cpu_fsdp, enable_cpu_fsdp
-from ranks import EPOCHS, MID, PACKAGE, worker
-from states import assert_ranks_identical, load
+from support.ranks import EPOCHS, MID, PACKAGE, worker
+from support.states import assert_ranks_identical, load
 from test_activation import PATCHABLE_TRAINERS, TRAINERS, strategy_class
 
 

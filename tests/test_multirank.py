@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import EPOCHS, MID, config, worker
-from states import assert_identical, assert_ranks_identical, differences, info, load
+from support.ranks import EPOCHS, MID, config, worker
+from support.states import assert_identical, assert_ranks_identical, differences, info, load
 
 pytestmark = pytest.mark.multirank
 
@@ -20,7 +20,7 @@ _SUPPORTED, _WHY = cpu_fsdp_supported()
 if not _SUPPORTED:
     pytest.skip(_WHY, allow_module_level=True)
 
-from ranks import FULL_USE_ORIG_PARAMS, NATIVE, VERSION  # noqa: E402
+from support.ranks import FULL_USE_ORIG_PARAMS, NATIVE, VERSION  # noqa: E402
 
 
 def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:
@@ -122,7 +122,7 @@ def test_checkpoints_use_the_lightning_module_names(reference):
 
 def test_full_checkpoint_opens_without_fsdp(reference, monkeypatch):
     """Full checkpoint -> LightningModule.load_from_checkpoint on one CPU, optimizer state in PyTorch's format."""
-    from fsdp_worker import Net
+    from support.trainer_worker import Net
 
     # Lightning 2.0.x's loader predates torch 2.6's weights_only default; checkpoints are trusted files.
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")

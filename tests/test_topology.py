@@ -3,8 +3,8 @@ rank each on the loopback interface.
 """
 import pytest
 
-from ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, config, long_runs, nodes, worker
-from states import assert_identical, assert_ranks_identical, info, load
+from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, config, long_runs, nodes, worker
+from support.states import assert_identical, assert_ranks_identical, info, load
 
 pytestmark = pytest.mark.multirank
 

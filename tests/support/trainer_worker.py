@@ -1,4 +1,4 @@
-"""One Trainer run, launched by the tests under torchrun (FSDP on CPU over gloo) or as one process.
+"""One Trainer run, launched by the tests under torchrun (FSDP on CPU over gloo), forked by the rank server or as one process.
 
 It trains a small model with nested FSDP units on a fixed dataset and writes, into --out, what the
 tests compare: every rank's local shards and raw optimizer state at each epoch end, after restoring
@@ -24,9 +24,13 @@ else:
     from pytorch_lightning.strategies import FSDPStrategy
 
 import lightning_fsdp_resume  # noqa: F401,E402  (the one-line activation under test)
-import records  # noqa: E402
-from faults import kill_during_saves  # noqa: E402
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_cpu_fsdp, leave_process_group
+from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_cpu_fsdp, leave_process_group  # noqa: E402
+
+if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/trainer_worker.py`): `support` is in tests/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from support import records  # noqa: E402
+from support.faults import kill_during_saves  # noqa: E402
 
 
 class Net(L.LightningModule):

@@ -8,7 +8,7 @@ variables, meeting over gloo on the loopback interface. As under torchrun, the f
 the others down with it. The output names the exit code of each rank that ended by itself (``-9`` for
 SIGKILL) and says which ones the server stopped.
 
-It serves both rank programs, the Trainer's (``fsdp_worker``) and Fabric's (``fabric_worker``), each
+It serves both rank programs, the Trainer's (``trainer_worker``) and Fabric's (``fabric_worker``), each
 imported once at start. ``ranks.py`` talks to it in JSON lines: a request ``{"worker", "args", "nproc",
 "logs", "timeout"}`` on stdin, a reply ``{"codes", "output"}`` on stdout.
 ``LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun`` makes the tests launch with torchrun instead.
@@ -20,6 +20,10 @@ import socket
 import sys
 import time
 import traceback
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/rank_server.py`): `support` is in tests/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 POLL_S = 0.02
 
@@ -148,10 +152,9 @@ def _import_what_enable_cpu_fsdp_patches() -> None:
 def main() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the imports print goes to stderr, not into the replies
-    import fabric_worker  # torch, the Lightning flavour and Fabric under test, and the shim
-    import fsdp_worker
+    from support import fabric_worker, trainer_worker  # torch, the Lightning flavour and Fabric under test, and the shim
 
-    workers = {worker.__name__: worker for worker in (fsdp_worker, fabric_worker)}
+    workers = {worker.__name__.rpartition(".")[2]: worker for worker in (trainer_worker, fabric_worker)}
     _import_what_enable_cpu_fsdp_patches()
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()

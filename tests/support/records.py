@@ -1,4 +1,4 @@
-"""What a rank program writes for the tests to compare, shared by the Trainer worker (fsdp_worker.py) and
+"""What a rank program writes for the tests to compare, shared by the Trainer worker (trainer_worker.py) and
 the Fabric worker (fabric_worker.py): each rank's local shards and raw optimizer state, and the full
 weights and optimizer state gathered by torch itself (never by the shim). states.py reads them back.
 """

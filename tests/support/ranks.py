@@ -11,7 +11,8 @@ from typing import Sequence
 import pytest
 
 HERE = Path(__file__).parent
-WORKER = HERE / "fsdp_worker.py"  # the Trainer's rank program
+ROOT = HERE.parents[1]  # the repository, first on the launched processes' PYTHONPATH
+WORKER = HERE / "trainer_worker.py"  # the Trainer's rank program
 FABRIC_WORKER = HERE / "fabric_worker.py"  # Fabric's
 TIMEOUT_S = 300
 # Runs that are several torchrun launches of their own (the two-node run, the benchmark's smoke run)
@@ -37,7 +38,7 @@ MID = "epoch=1.ckpt"
 def _env(extra=None):
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(extra or {})
     return env
 
@@ -135,7 +136,7 @@ def fabric_worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bo
 
 def nodes(tmp: Path, *args, count: int = 2, env=None) -> str:
     """The Trainer worker as ``count`` torchrun "nodes" of one rank each, meeting on the loopback interface."""
-    from rank_server import free_port
+    from support.rank_server import free_port
 
     port = free_port()
     base = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={count}", "--nproc-per-node=1",

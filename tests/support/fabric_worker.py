@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-if importlib.util.find_spec("lightning") is not None:  # as fsdp_worker: lightning.fabric if installed
+if importlib.util.find_spec("lightning") is not None:  # as trainer_worker: lightning.fabric if installed
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import FSDPStrategy
 else:
@@ -33,9 +33,13 @@ else:
     from lightning_fabric.strategies import FSDPStrategy
 
 import lightning_fsdp_resume  # noqa: F401,E402  (the one-line activation under test)
-import records  # noqa: E402
-from faults import kill_during_saves  # noqa: E402
 from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group  # noqa: E402
+
+if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/fabric_worker.py`): `support` is in tests/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from support import records  # noqa: E402
+from support.faults import kill_during_saves  # noqa: E402
 
 BATCH = 4  # per rank
 LR = 1e-2
