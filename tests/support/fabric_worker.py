@@ -6,7 +6,7 @@ It trains a plain ``nn.Module`` with nested FSDP units through Fabric within wha
 After each epoch it saves ``{"model", "optimizer", "scheduler", "epoch", "step", "loss", "world_size"}``
 with ``fabric.save``; ``--resume PATH`` loads one into the same objects with ``fabric.load``, asking for
 all but ``loss`` and ``world_size``, and goes on from the epoch after it. Into ``--out`` it writes what
-the tests compare (records.py): every rank's local shards, raw optimizer state and scheduler state at the
+the tests compare (states.py): every rank's local shards, raw optimizer state and scheduler state at the
 start (after loading, if it loads), after each epoch and at the end; rank 0 also the full weights and
 optimizer state gathered by torch; and what ``fabric.load`` gave back. ``--errors PATH`` instead makes
 each call that native Fabric refuses and records what every rank raised. It checks nothing itself.
@@ -38,7 +38,7 @@ from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group  
 if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/fabric_worker.py`): `support` is in tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support import records  # noqa: E402
+from support import states  # noqa: E402
 from support.faults import kill_during_saves  # noqa: E402
 
 BATCH = 4  # per rank
@@ -130,14 +130,14 @@ class Run:
 
     def record(self, name: str, **info) -> None:
         root, optimizer = fsdp_root(self.model), self.optimizer.optimizer  # Fabric's wrappers left out
-        local = records.local_state(root, [optimizer])
+        local = states.local_state(root, [optimizer])
         local["scheduler"] = self.scheduler.state_dict()
-        full = {"params": records.full_weights(root, root), "optim": [records.full_optimizer_state(root, optimizer)]}
+        full = {"params": states.full_weights(root, root), "optim": [states.full_optimizer_state(root, optimizer)]}
         info = {"epoch": self.epoch, "step": self.step, "loss": self.loss, "last_epoch": self.scheduler.last_epoch,
                 "last_lr": self.scheduler.get_last_lr(),
                 # what the optimizer Fabric returned shows, which the scheduler steps
                 "fabric_optimizer_lr": [group["lr"] for group in self.optimizer.param_groups], **info}
-        records.write(self.args.out, name, self.fabric.global_rank, local, info, full)
+        states.write(self.args.out, name, self.fabric.global_rank, local, info, full)
 
     def save_filter(self):
         """``--filter``: keep only the model's weights (no biases)."""

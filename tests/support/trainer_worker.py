@@ -29,7 +29,7 @@ from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_
 if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/trainer_worker.py`): `support` is in tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support import records  # noqa: E402
+from support import states  # noqa: E402
 from support.faults import kill_during_saves  # noqa: E402
 
 
@@ -143,14 +143,14 @@ class Recorder(Callback):
 
     def dump(self, trainer, name: str) -> None:
         rank = trainer.global_rank
-        local = records.local_state(trainer.model, trainer.strategy.optimizers)
+        local = states.local_state(trainer.model, trainer.strategy.optimizers)
         full = {"params": full_weights(trainer), "optim": None}
         # the optimizer state is left out where torch cannot gather it on the CPU (torch 2.2, use_orig_params)
         use_orig_params = getattr(trainer.strategy, "kwargs", {}).get("use_orig_params", False)
         if cpu_optimizer_state_supported(use_orig_params)[0]:
             full["optim"] = [full_optimizer_state(trainer, o) for o in trainer.strategy.optimizers]
         info = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "optimizers": len(local["optim"])}
-        records.write(self.out, name, rank, local, info, full)
+        states.write(self.out, name, rank, local, info, full)
 
     def on_train_start(self, trainer, pl_module):
         self.dump(trainer, "start")
@@ -188,7 +188,7 @@ def full_weights(trainer):
     module = trainer.lightning_module
     if not isinstance(trainer.strategy, FSDPStrategy):
         return {n: p.detach().clone() for n, p in module.named_parameters()}
-    return records.full_weights(trainer.model, module)
+    return states.full_weights(trainer.model, module)
 
 
 def full_optimizer_state(trainer, optimizer):
@@ -197,7 +197,7 @@ def full_optimizer_state(trainer, optimizer):
         names = [n for n, _ in trainer.lightning_module.named_parameters()]
         state = optimizer.state_dict()
         return {names[i]: v for i, v in state["state"].items()}
-    return records.full_optimizer_state(trainer.model, optimizer)
+    return states.full_optimizer_state(trainer.model, optimizer)
 
 
 def trace_meta_writes(log: Path) -> None:
