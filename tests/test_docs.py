@@ -1,9 +1,13 @@
-"""CONTRIBUTING.md's matrix table is checked against the tox matrix."""
+"""The documents tell the truth about the repository: CONTRIBUTING.md's matrix table is the tox matrix, the
+README opens with the commands CI runs, and every relative link leads to a file and heading that exist."""
 import configparser
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
+DOCUMENTS = ["README.md", "CONTRIBUTING.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
 def _tox():
@@ -15,6 +19,16 @@ def _tox():
 def _matrix_environments():
     """The first column of CONTRIBUTING.md's matrix table."""
     return re.findall(r"^\| `([a-z0-9-]+)` \|", (ROOT / "CONTRIBUTING.md").read_text(), flags=re.M)
+
+
+def _without_code_blocks(text):
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def _anchors(path):
+    """GitHub's anchors for a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#{1,6} (.+)$", _without_code_blocks(path.read_text()), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
 
 
 def test_the_matrix_table_lists_exactly_the_environments_tox_runs():
@@ -35,3 +49,26 @@ def test_every_matrix_environment_is_made_of_known_factors_or_has_its_section():
         # pyNN: tox's own factor for the interpreter
         unknown = [f for f in name.split("-") if f not in known and not re.fullmatch(r"py3\d+", f)]
         assert not unknown, f"{name}: factors {unknown} select nothing in tox.ini"
+
+
+def test_the_readme_opens_with_the_demo_and_the_test_command_ci_runs():
+    head = (ROOT / "README.md").read_text().split("\n")[:12]
+    block = head[head.index("```bash") + 1:]
+    demo, tests = block[0].split("#")[0].strip(), block[1].split("#")[0].strip()
+    assert demo.endswith("lightning-fsdp-resume demo") and ".[demo]" in demo
+    ci_command = (ROOT / ".ci" / "run").read_text().strip().split("\n")[-1]
+    assert tests == ci_command
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_relative_link_leads_to_a_file_and_heading_that_exist(document):
+    path = ROOT / document
+    links = re.findall(r"\]\(([^)\s]+)\)", _without_code_blocks(path.read_text()))
+    for link in links:
+        if re.match(r"[a-z]+:", link):
+            continue
+        target, _, anchor = link.partition("#")
+        target_path = (path.parent / target).resolve() if target else path
+        assert target_path.exists(), f"{document}: {link}: no such file"
+        if anchor:
+            assert anchor in _anchors(target_path), f"{document}: {link}: no such heading"
