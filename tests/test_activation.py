@@ -15,22 +15,11 @@ import pytest
 import lightning_fsdp_resume as shim
 from lightning_fsdp_resume import _versions
 from lightning_fsdp_resume._patches import FSDP_STRATEGY_PATCHES, TABLES
+from support.flavours import FLAVOURS, INSTALLED, PATCHABLE, PATCHABLE_TRAINERS, strategy_class
 
-FLAVOURS = {f.package: f for f in _versions.FLAVOURS}
-INSTALLED = {p: v for p, v in ((p, _versions.installed_version(f)) for p, f in FLAVOURS.items()) if v}
-PATCHABLE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.PATCH]
 NATIVE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.NATIVE]
-# The Trainer's flavours (lightning.pytorch, pytorch_lightning), for the tests of the Trainer's strategy
-TRAINERS = [p for p in INSTALLED if FLAVOURS[p].kind == _versions.TRAINER]
-PATCHABLE_TRAINERS = [p for p in PATCHABLE if p in TRAINERS]
 # An attribute the FSDPStrategy of each kind defines itself when patched or native, and not in 2.0.x
 MARKER = {_versions.TRAINER: "restore_checkpoint_after_setup", _versions.FABRIC: "load_checkpoint"}
-
-
-def strategy_class(package: str):
-    import importlib
-
-    return importlib.import_module(f"{package}.strategies.fsdp").FSDPStrategy
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 
 from lightning_fsdp_resume import _atomic, _verify
 from lightning_fsdp_resume import _torch_compat as compat
+from support.flavours import PATCHABLE_TRAINERS, strategy_class
 from support.states import file_hashes
-from test_activation import PATCHABLE_TRAINERS, strategy_class
 
 needs_patch = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
 

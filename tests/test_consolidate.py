@@ -7,7 +7,6 @@ checkpoint of the first configuration, which consolidating must reproduce exactl
 session's ``reference`` runs, which the multi-rank suite makes too.
 """
 import hashlib
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -20,7 +19,8 @@ from lightning_fsdp_resume import _consolidate, _versions
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
 from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
-from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, VERSION, _consolidate_missing, config, needs_consolidate, worker
+from support.flavours import FABRIC_UNDER_TEST, NATIVE, VERSION
+from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, _consolidate_missing, config, needs_consolidate, worker
 from support.states import assert_identical, assert_ranks_identical, differences, load
 
 
@@ -271,12 +271,9 @@ FABRIC_KEYS = ("net", "opt_a", "opt_idle", "sched", "epoch", "note")
 
 
 def _fabric_namespace():
-    for package in ("lightning.fabric", "lightning_fabric"):
-        try:
-            return importlib.import_module(package)
-        except ImportError:
-            continue
-    pytest.skip("no Fabric installed")
+    if FABRIC_UNDER_TEST is None:
+        pytest.skip("no Fabric installed")
+    return FABRIC_UNDER_TEST.module()
 
 
 def _fabric_setup(use_orig_params: bool, seed: int):

@@ -10,7 +10,8 @@ from typing import Optional
 
 import pytest
 
-from support.ranks import FULL_USE_ORIG_PARAMS, NATIVE, VERSION, config, worker
+from support.flavours import NATIVE, VERSION
+from support.ranks import FULL_USE_ORIG_PARAMS, config, worker
 from support.states import assert_identical, assert_ranks_identical, file_hashes, info, load
 
 pytestmark = pytest.mark.multirank

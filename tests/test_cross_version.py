@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from support.ranks import fabric_config, fabric_worker, flavour_under_test, worker
+from support.flavours import TRAINER_UNDER_TEST
+from support.ranks import fabric_config, fabric_worker, worker
 from support.states import assert_identical, assert_ranks_identical, info, load
 
 DIR_VARIABLE = "LIGHTNING_FSDP_RESUME_XVER_DIR"
@@ -48,7 +49,7 @@ def _here() -> dict:
     """The Lightning flavour the worker runs here, its shim mode and torch."""
     import torch
 
-    package, version, mode = flavour_under_test()
+    package, version, mode = TRAINER_UNDER_TEST
     return {"package": package, "version": version, "mode": mode, "torch": torch.__version__}
 
 

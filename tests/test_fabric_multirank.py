@@ -5,7 +5,6 @@ Each test names one behaviour of native Fabric 2.1.4, which the shim gives Fabri
 new processes, so that two epochs run after it (the learning-rate scheduler steps in between), and every
 rank's parameter shards and optimizer state must equal the uninterrupted run's bit for bit.
 """
-import importlib.util
 import re
 from pathlib import Path
 
@@ -19,12 +18,16 @@ from lightning_fsdp_resume.testing import cpu_fsdp_supported  # noqa: E402
 _SUPPORTED, _WHY = cpu_fsdp_supported()
 if not _SUPPORTED:
     pytest.skip(_WHY, allow_module_level=True)
-if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("lightning_fabric") is None:
+
+from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
+
+if FABRIC_UNDER_TEST is None:
     pytest.skip("neither lightning.fabric nor lightning_fabric is installed", allow_module_level=True)
 
-from support.ranks import EPOCHS, NATIVE, VERSION, fabric_config, fabric_worker  # noqa: E402
+from support.ranks import EPOCHS, fabric_config, fabric_worker  # noqa: E402
 from support.states import assert_identical, assert_ranks_identical, file_hashes, info, load  # noqa: E402
 
+NATIVE, VERSION = FABRIC_UNDER_TEST.native, FABRIC_UNDER_TEST.version  # the Fabric the rank program runs
 RESUME_EPOCH = 0
 RESUME = f"epoch={RESUME_EPOCH}.ckpt"
 STEPS_PER_EPOCH = 8  # 64 samples, 4 a rank, 2 ranks

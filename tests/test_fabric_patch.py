@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_fsdp_resume import _versions
-from test_activation import FLAVOURS, PATCHABLE
+from support.flavours import FLAVOURS, PATCHABLE
 
 PATCHABLE_FABRICS = [p for p in PATCHABLE if FLAVOURS[p].kind == _versions.FABRIC]
 pytestmark = pytest.mark.skipif(not PATCHABLE_FABRICS, reason="no Fabric 2.0.x installed: nothing of Fabric is patched")

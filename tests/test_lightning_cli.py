@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lightning_fsdp_resume.testing import cpu_fsdp_supported, disable_cpu_fsdp, enable_cpu_fsdp
-from support.ranks import EPOCHS, MID, PACKAGE, worker
+from support.flavours import PACKAGE, PATCHABLE_TRAINERS, TRAINERS, strategy_class
+from support.ranks import EPOCHS, MID, worker
 from support.states import assert_ranks_identical, load
-from test_activation import PATCHABLE_TRAINERS, TRAINERS, strategy_class
 
 
 @pytest.fixture(scope="module", autouse=True)

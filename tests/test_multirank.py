@@ -20,7 +20,8 @@ _SUPPORTED, _WHY = cpu_fsdp_supported()
 if not _SUPPORTED:
     pytest.skip(_WHY, allow_module_level=True)
 
-from support.ranks import FULL_USE_ORIG_PARAMS, NATIVE, VERSION  # noqa: E402
+from support.flavours import NATIVE, VERSION  # noqa: E402
+from support.ranks import FULL_USE_ORIG_PARAMS  # noqa: E402
 
 
 def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:

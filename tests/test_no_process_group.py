@@ -2,7 +2,7 @@
 Lightning 2.1 allows: Lightning 2.0.x's ``broadcast`` and ``barrier`` fail there, the shim skips them."""
 import pytest
 
-from test_activation import PATCHABLE_TRAINERS, strategy_class
+from support.flavours import PATCHABLE_TRAINERS, strategy_class
 from test_checkpoint_files import _checkpoint, saved_epoch
 
 pytestmark = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: the shim's saves are not in use")

@@ -3,7 +3,8 @@ rank each on the loopback interface.
 """
 import pytest
 
-from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, NATIVE, config, long_runs, nodes, worker
+from support.flavours import NATIVE
+from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, long_runs, nodes, worker
 from support.states import assert_identical, assert_ranks_identical, info, load
 
 pytestmark = pytest.mark.multirank

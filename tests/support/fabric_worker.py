@@ -16,7 +16,6 @@ restores: the weights do not depend on whether the scheduler itself was restored
 separately.
 """
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -25,21 +24,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-if importlib.util.find_spec("lightning") is not None:  # as trainer_worker: lightning.fabric if installed
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import FSDPStrategy
-else:
-    from lightning_fabric import Fabric
-    from lightning_fabric.strategies import FSDPStrategy
-
-import lightning_fsdp_resume  # noqa: F401,E402  (the one-line activation under test)
-from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group  # noqa: E402
+import lightning_fsdp_resume  # noqa: F401  (the one-line activation under test)
+from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
 
 if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/fabric_worker.py`): `support` is in tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import states  # noqa: E402
 from support.faults import kill_during_saves  # noqa: E402
+from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
+
+Fabric = FABRIC_UNDER_TEST.module().Fabric  # lightning.fabric where lightning is installed, else lightning_fabric
+FSDPStrategy = FABRIC_UNDER_TEST.module("strategies").FSDPStrategy
 
 BATCH = 4  # per rank
 LR = 1e-2

@@ -10,6 +10,8 @@ from typing import Sequence
 
 import pytest
 
+from support.flavours import NATIVE
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]  # the repository, first on the launched processes' PYTHONPATH
 WORKER = HERE / "trainer_worker.py"  # the Trainer's rank program
@@ -166,21 +168,6 @@ def fabric_config(root: Path, state_dict_type: str):
     return ["--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type]
 
 
-def flavour_under_test():
-    """The flavour the worker runs (lightning.pytorch where installed) and what the shim did with it."""
-    import importlib.util
-
-    import lightning_fsdp_resume as shim
-
-    package = "lightning.pytorch" if importlib.util.find_spec("lightning") else "pytorch_lightning"
-    version = shim.status()[package].version
-    from lightning_fsdp_resume._versions import decide
-
-    return package, version, decide(version)[0]
-
-
-PACKAGE, VERSION, MODE = flavour_under_test()
-NATIVE = MODE == "native"
 # Native Lightning re-keys id-keyed (full) optimizer states with FSDP.rekey_optim_state_dict, which
 # fails for flat parameters; wherever one is saved or loaded natively, use_orig_params=True is used.
 FULL_USE_ORIG_PARAMS = 1 if NATIVE else 0

@@ -5,7 +5,6 @@ tests compare: every rank's local shards and raw optimizer state at each epoch e
 and at the end; rank 0 also writes the gathered full weights. It checks nothing itself.
 """
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -14,23 +13,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-if importlib.util.find_spec("lightning") is not None:  # the flavour under test: lightning.pytorch if installed
-    import lightning.pytorch as L
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from lightning.pytorch.strategies import FSDPStrategy
-else:
-    import pytorch_lightning as L
-    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
-    from pytorch_lightning.strategies import FSDPStrategy
-
-import lightning_fsdp_resume  # noqa: F401,E402  (the one-line activation under test)
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_cpu_fsdp, leave_process_group  # noqa: E402
+import lightning_fsdp_resume  # noqa: F401  (the one-line activation under test)
+from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_cpu_fsdp, leave_process_group
 
 if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/trainer_worker.py`): `support` is in tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import states  # noqa: E402
 from support.faults import kill_during_saves  # noqa: E402
+from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
+
+L = TRAINER_UNDER_TEST.module()  # lightning.pytorch where lightning is installed, else pytorch_lightning
+Callback, ModelCheckpoint = L.Callback, TRAINER_UNDER_TEST.module("callbacks").ModelCheckpoint
+FSDPStrategy = TRAINER_UNDER_TEST.module("strategies").FSDPStrategy
 
 
 class Net(L.LightningModule):
