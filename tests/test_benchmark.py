@@ -5,15 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from support.ranks import _run, long_runs
+from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
+from support.marks import long_runs, needs_cpu_fsdp
+from support.ranks import _run
 
-pytestmark = pytest.mark.multirank
-
-from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported  # noqa: E402
-
-_SUPPORTED, _WHY = cpu_fsdp_supported()
-if not _SUPPORTED:
-    pytest.skip(_WHY, allow_module_level=True)
+pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 
 BENCHMARK = Path(__file__).parent.parent / "benchmarks" / "resume_benchmark.py"
 # The benchmark's use_orig_params=True needs an optimizer gather torch 2.2 cannot make on the CPU.

@@ -10,9 +10,8 @@ import pytest
 from lightning_fsdp_resume import _atomic, _verify
 from lightning_fsdp_resume import _torch_compat as compat
 from support.flavours import PATCHABLE_TRAINERS, strategy_class
+from support.marks import needs_patched_trainer
 from support.states import file_hashes
-
-needs_patch = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
 
 
 def _strategy(kind: str):
@@ -50,7 +49,7 @@ def test_partial_saves_are_hidden_and_never_named_last(tmp_path):
     assert partial.parent == tmp_path and partial.name.startswith(".") and "last" not in partial.name
 
 
-@needs_patch
+@needs_patched_trainer
 class TestAtomicSaves:
     @pytest.fixture(autouse=True)
     def group(self, process_group):
@@ -150,7 +149,7 @@ SHARDED_DAMAGE = {
 }
 
 
-@needs_patch
+@needs_patched_trainer
 @pytest.mark.parametrize("how", sorted(SHARDED_DAMAGE))
 def test_damaged_sharded_checkpoint_is_refused_untouched(tmp_path, process_group, how):
     path = save(tmp_path / "damaged.ckpt", 1)
@@ -163,7 +162,7 @@ def test_damaged_sharded_checkpoint_is_refused_untouched(tmp_path, process_group
     assert file_hashes(path) == before
 
 
-@needs_patch
+@needs_patched_trainer
 @pytest.mark.parametrize(
     "what,error,message",
     [

@@ -18,16 +18,11 @@ import torch
 from lightning_fsdp_resume import _consolidate, _versions
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
-from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
+from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
 from support.flavours import FABRIC_UNDER_TEST, NATIVE, VERSION
-from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, _consolidate_missing, config, needs_consolidate, worker
+from support.marks import needs_consolidate, needs_cpu_fsdp, skip_as
+from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, worker
 from support.states import assert_identical, assert_ranks_identical, differences, load
-
-
-def multirank(test):
-    """Marked multirank; skipped, with torch's reason, where CPU FSDP cannot run."""
-    skip = pytest.mark.skipif(not cpu_fsdp_supported()[0], reason=cpu_fsdp_supported()[1])
-    return pytest.mark.multirank(skip(test))
 
 
 def fake_sharded(directory: Path, files=("meta.pt", ".metadata")) -> Path:
@@ -158,7 +153,8 @@ SHARDED = [pytest.param(0, 1, id="flat-params"), pytest.param(1, 1, id="orig-par
 
 
 @pytest.mark.parametrize("use_orig_params,optimizers", SHARDED)
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 def test_weights_equal_the_runs_gathered_weights(reference, tmp_path, use_orig_params, optimizers):
     root, dst = _consolidated(reference, tmp_path, use_orig_params, optimizers)
     state_dict = load(dst)["state_dict"]
@@ -167,7 +163,8 @@ def test_weights_equal_the_runs_gathered_weights(reference, tmp_path, use_orig_p
 
 
 @pytest.mark.parametrize("use_orig_params,optimizers", SHARDED)
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 def test_optimizer_ids_number_each_optimizers_parameters_in_registration_order(reference, tmp_path, use_orig_params, optimizers):
     """Compared with the optimizer state torch itself gathered in the run, keyed by name."""
     root, dst = _consolidated(reference, tmp_path, use_orig_params, optimizers)
@@ -183,7 +180,8 @@ def test_optimizer_ids_number_each_optimizers_parameters_in_registration_order(r
         assert states[1]["param_groups"][0]["momentum"] == 0.9
 
 
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 def test_result_equals_our_full_save_of_the_same_run(reference, tmp_path):
     if NATIVE:
         pytest.skip(f"native Lightning {VERSION} cannot save a full checkpoint with use_orig_params=False")
@@ -195,7 +193,8 @@ def test_result_equals_our_full_save_of_the_same_run(reference, tmp_path):
     assert set(full) == set(consolidated)
 
 
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 def test_everything_of_meta_pt_is_kept(reference, tmp_path):
     root, dst = _consolidated(reference, tmp_path, 0, 1)
     meta = load(root / "ckpt" / MID / "meta.pt")
@@ -205,7 +204,8 @@ def test_everything_of_meta_pt_is_kept(reference, tmp_path):
     assert consolidated["epoch"] == 1 and consolidated["hyper_parameters"] == {"optimizers": 1}
 
 
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 def test_source_is_never_modified(reference, tmp_path):
     src = reference("sharded", 0) / "ckpt" / MID
 
@@ -219,7 +219,8 @@ def test_source_is_never_modified(reference, tmp_path):
     assert fingerprint() == before
 
 
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 def test_result_opens_with_load_from_checkpoint(reference, tmp_path, monkeypatch):
     from support.trainer_worker import Net
 
@@ -232,7 +233,8 @@ def test_result_opens_with_load_from_checkpoint(reference, tmp_path, monkeypatch
     assert model.hparams.optimizers == 1
 
 
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 def test_resume_under_fsdp_from_the_consolidated_file_is_bit_exact(reference, tmp_path):
     # Native Lightning cannot load id-keyed optimizer states of flat parameters: it resumes use_orig_params=True.
     root, dst = _consolidated(reference, tmp_path, FULL_USE_ORIG_PARAMS)
@@ -242,7 +244,8 @@ def test_resume_under_fsdp_from_the_consolidated_file_is_bit_exact(reference, tm
     assert_ranks_identical(root / "out", "final", resumed / "out", "final")
 
 
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 def test_command_line_writes_the_same_file_and_shows_progress(reference, tmp_path):
     import subprocess
 
@@ -324,8 +327,7 @@ def fabric_run(request, process_group, tmp_path_factory):
 
     One process: FSDP over a one-rank gloo group (torch then shards nothing, NO_SHARD; the 2-rank test below
     has real shards). enable_cpu_fsdp() stays on for the module's tests, which load into new Fabrics."""
-    if not cpu_fsdp_supported()[0] or _consolidate_missing():
-        pytest.skip(cpu_fsdp_supported()[1] or "consolidate needs torch >= 2.2")
+    skip_as(needs_cpu_fsdp, needs_consolidate)
     supported, why = cpu_optimizer_state_supported(bool(request.param))
     if not supported:
         pytest.skip(why)
@@ -452,7 +454,8 @@ def test_fabric_load_leaves_the_scheduler_steering_the_loaded_optimizer(fabric_r
     assert optimizer.param_groups[0]["lr"] == 2.5e-3
 
 
-@multirank
+@pytest.mark.multirank
+@needs_cpu_fsdp
 @needs_consolidate
 def test_fabric_resume_on_2_ranks_from_the_consolidated_file_is_bit_exact(tmp_path):
     """Real shards: the demo's Fabric loop (model, AdamW, StepLR, epoch, step) on 2 ranks checkpoints, sharded,

@@ -11,22 +11,16 @@ from typing import Optional
 import pytest
 
 from support.flavours import NATIVE, VERSION
+from support.marks import needs_cpu_fsdp
 from support.ranks import FULL_USE_ORIG_PARAMS, config, worker
 from support.states import assert_identical, assert_ranks_identical, file_hashes, info, load
 
-pytestmark = pytest.mark.multirank
-
-from lightning_fsdp_resume.testing import cpu_fsdp_supported  # noqa: E402
-
-_SUPPORTED, _WHY = cpu_fsdp_supported()
-if not _SUPPORTED:
-    pytest.skip(_WHY, allow_module_level=True)
-if NATIVE:
-    pytest.skip(
-        f"native Lightning {VERSION} writes checkpoints in place and does not check them before loading;"
-        " these are the shim's guarantees",
-        allow_module_level=True,
-    )
+pytestmark = [
+    pytest.mark.multirank,
+    needs_cpu_fsdp,
+    pytest.mark.skipif(NATIVE, reason=f"native Lightning {VERSION} writes checkpoints in place and does not check them"
+                                      " before loading; these are the shim's guarantees"),
+]
 
 LAST = "last.ckpt"
 

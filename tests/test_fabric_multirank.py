@@ -11,16 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.multirank
+from support.flavours import FABRIC_UNDER_TEST
+from support.marks import needs_cpu_fsdp
 
-from lightning_fsdp_resume.testing import cpu_fsdp_supported  # noqa: E402
-
-_SUPPORTED, _WHY = cpu_fsdp_supported()
-if not _SUPPORTED:
-    pytest.skip(_WHY, allow_module_level=True)
-
-from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
-
+pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 if FABRIC_UNDER_TEST is None:
     pytest.skip("neither lightning.fabric nor lightning_fabric is installed", allow_module_level=True)
 

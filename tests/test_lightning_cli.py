@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from lightning_fsdp_resume.testing import cpu_fsdp_supported, disable_cpu_fsdp, enable_cpu_fsdp
+from lightning_fsdp_resume.testing import disable_cpu_fsdp, enable_cpu_fsdp
 from support.flavours import PACKAGE, PATCHABLE_TRAINERS, TRAINERS, strategy_class
+from support.marks import needs_cpu_fsdp, needs_patched_trainer
 from support.ranks import EPOCHS, MID, worker
 from support.states import assert_ranks_identical, load
 
@@ -73,7 +74,7 @@ def test_registry_names_give_the_strategy_with_its_default(package):
     assert trainer.strategy._state_dict_type == "full"
 
 
-@pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: nothing is patched")
+@needs_patched_trainer
 @pytest.mark.parametrize("package", PATCHABLE_TRAINERS)
 def test_the_patched_signature_lists_state_dict_type_and_keeps_the_rest(package):
     import lightning_fsdp_resume as shim
@@ -93,7 +94,7 @@ def test_the_patched_signature_lists_state_dict_type_and_keeps_the_rest(package)
 
 
 @pytest.mark.multirank
-@pytest.mark.skipif(not cpu_fsdp_supported()[0], reason=cpu_fsdp_supported()[1])
+@needs_cpu_fsdp
 def test_a_lightning_cli_fit_saves_sharded_and_resumes_bit_exact(tmp_path):
     """``fit --config`` on 2 ranks writes sharded checkpoints; ``fit --config --ckpt_path`` in new processes
     restores and ends with every rank's shards and optimizer state of the uninterrupted run."""

@@ -9,19 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.ranks import EPOCHS, MID, config, worker
+from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
+from support.flavours import NATIVE, VERSION
+from support.marks import needs_cpu_fsdp
+from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, worker
 from support.states import assert_identical, assert_ranks_identical, differences, info, load
 
-pytestmark = pytest.mark.multirank
-
-from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported  # noqa: E402
-
-_SUPPORTED, _WHY = cpu_fsdp_supported()
-if not _SUPPORTED:
-    pytest.skip(_WHY, allow_module_level=True)
-
-from support.flavours import NATIVE, VERSION  # noqa: E402
-from support.ranks import FULL_USE_ORIG_PARAMS  # noqa: E402
+pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 
 
 def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:

@@ -3,9 +3,10 @@ Lightning 2.1 allows: Lightning 2.0.x's ``broadcast`` and ``barrier`` fail there
 import pytest
 
 from support.flavours import PATCHABLE_TRAINERS, strategy_class
+from support.marks import needs_patched_trainer
 from test_checkpoint_files import _checkpoint, saved_epoch
 
-pytestmark = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: the shim's saves are not in use")
+pytestmark = needs_patched_trainer
 
 
 @pytest.fixture

@@ -3,17 +3,13 @@ rank each on the loopback interface.
 """
 import pytest
 
+from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import NATIVE
-from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, long_runs, nodes, worker
+from support.marks import long_runs, needs_cpu_fsdp
+from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, nodes, worker
 from support.states import assert_identical, assert_ranks_identical, info, load
 
-pytestmark = pytest.mark.multirank
-
-from lightning_fsdp_resume.testing import cpu_fsdp_supported, cpu_optimizer_state_supported  # noqa: E402
-
-_SUPPORTED, _WHY = cpu_fsdp_supported()
-if not _SUPPORTED:
-    pytest.skip(_WHY, allow_module_level=True)
+pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 
 
 @pytest.mark.parametrize("ranks", [1, 3])

@@ -17,21 +17,6 @@ ROOT = HERE.parents[1]  # the repository, first on the launched processes' PYTHO
 WORKER = HERE / "trainer_worker.py"  # the Trainer's rank program
 FABRIC_WORKER = HERE / "fabric_worker.py"  # Fabric's
 TIMEOUT_S = 300
-# Runs that are several torchrun launches of their own (the two-node run, the benchmark's smoke run)
-# are made in one environment of the matrix, for time: tox sets this there.
-LONG_RUNS_ENV = "LIGHTNING_FSDP_RESUME_LONG_RUNS"
-long_runs = pytest.mark.skipif(
-    os.environ.get(LONG_RUNS_ENV) != "1",
-    reason=f"several torchrun launches of its own: runs where {LONG_RUNS_ENV}=1 (tox: lightning209-torch213)",
-)
-# Where torch is too old, consolidate refuses before it looks at its arguments (test_cli checks that).
-def _consolidate_missing() -> bool:
-    from lightning_fsdp_resume import _torch_compat as compat
-
-    return compat.torch_release() < compat.CONSOLIDATE_MIN
-
-
-needs_consolidate = pytest.mark.skipif(_consolidate_missing(), reason="consolidate needs torch >= 2.2, which this torch is not")
 # Reference runs train EPOCHS epochs and checkpoint each; resumed runs start from MID (after epoch 1).
 EPOCHS = 3
 MID = "epoch=1.ckpt"

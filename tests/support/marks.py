@@ -1,0 +1,34 @@
+"""The skip marks that test modules share, each with the one reason it gives wherever it skips."""
+import os
+
+import pytest
+
+from lightning_fsdp_resume import _torch_compat as compat
+from lightning_fsdp_resume.testing import cpu_fsdp_supported
+from support.flavours import PATCHABLE_TRAINERS
+
+_CPU_FSDP, _NO_CPU_FSDP = cpu_fsdp_supported()
+# Every test that runs FSDP ranks on the CPU (the multirank ones): gloo cannot serve FSDP before torch 2.2.
+needs_cpu_fsdp = pytest.mark.skipif(not _CPU_FSDP, reason=_NO_CPU_FSDP)
+
+# Where torch is too old, consolidate refuses before it looks at its arguments (test_cli checks that).
+needs_consolidate = pytest.mark.skipif(compat.torch_release() < compat.CONSOLIDATE_MIN,
+                                       reason="consolidate needs torch >= 2.2, which this torch is not")
+
+# The tests of the Trainer's patched strategy itself (its signature, its saves in one process).
+needs_patched_trainer = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: nothing of the Trainer is patched")
+
+# Runs that are several torchrun launches of their own (the two-node run, the benchmark's smoke run)
+# are made in one environment of the matrix, for time: tox sets this there.
+LONG_RUNS_ENV = "LIGHTNING_FSDP_RESUME_LONG_RUNS"
+long_runs = pytest.mark.skipif(
+    os.environ.get(LONG_RUNS_ENV) != "1",
+    reason=f"several torchrun launches of its own: runs where {LONG_RUNS_ENV}=1 (tox: lightning209-torch213)",
+)
+
+
+def skip_as(*marks) -> None:
+    """In a fixture, which marks do not reach: skip as the first of ``marks`` whose condition holds would."""
+    for mark in marks:
+        if mark.args[0]:
+            pytest.skip(mark.kwargs["reason"])
