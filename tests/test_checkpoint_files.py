@@ -9,6 +9,7 @@ import pytest
 
 from lightning_fsdp_resume import _atomic, _verify
 from lightning_fsdp_resume import _torch_compat as compat
+from support.checkpoints import saved_epoch, trainer_checkpoint
 from support.flavours import PATCHABLE_TRAINERS, strategy_class
 from support.marks import needs_patched_trainer
 from support.states import file_hashes
@@ -21,27 +22,9 @@ def _strategy(kind: str):
     return strategy
 
 
-def _checkpoint(epoch: int):
-    import torch
-
-    weight, bias = torch.full((4, 3), float(epoch)), torch.arange(4.0)
-    return {
-        "epoch": epoch,
-        "state_dict": {"layer.weight": weight, "layer.bias": bias},
-        "optimizer_states": [
-            {"state": {"layer.weight": {"exp_avg": weight * 2, "step": torch.tensor(float(epoch))}},
-             "param_groups": [{"lr": 0.1, "params": ["layer.weight", "layer.bias"]}]}
-        ],
-    }
-
-
 def save(path: Path, epoch: int, kind: str = "sharded") -> Path:
-    _strategy(kind).save_checkpoint(_checkpoint(epoch), path)
+    _strategy(kind).save_checkpoint(trainer_checkpoint(epoch), path)
     return path
-
-
-def saved_epoch(path: Path) -> int:
-    return (_verify.read_meta(path) if path.is_dir() else compat.load_file(path, lazy=False))["epoch"]
 
 
 def test_partial_saves_are_hidden_and_never_named_last(tmp_path):

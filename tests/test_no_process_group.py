@@ -2,9 +2,9 @@
 Lightning 2.1 allows: Lightning 2.0.x's ``broadcast`` and ``barrier`` fail there, the shim skips them."""
 import pytest
 
+from support.checkpoints import saved_epoch, trainer_checkpoint
 from support.flavours import PATCHABLE_TRAINERS, strategy_class
 from support.marks import needs_patched_trainer
-from test_checkpoint_files import _checkpoint, saved_epoch
 
 pytestmark = needs_patched_trainer
 
@@ -42,12 +42,12 @@ def test_save_and_load_need_no_process_group(tmp_path, no_process_group, kind):
     import torch
 
     path = tmp_path / "one-process.ckpt"
-    strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type=kind).save_checkpoint(_checkpoint(3), path)
+    strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type=kind).save_checkpoint(trainer_checkpoint(3), path)
     assert saved_epoch(path) == 3 and path.is_dir() == (kind == "sharded")
     strategy, module = _strategy_with_model(kind)
     loaded = strategy.load_checkpoint(path)
     assert loaded["epoch"] == 3
-    expected = _checkpoint(3)["state_dict"]
+    expected = trainer_checkpoint(3)["state_dict"]
     assert torch.equal(module.layer.weight, expected["layer.weight"]) and torch.equal(module.layer.bias, expected["layer.bias"])
 
 
