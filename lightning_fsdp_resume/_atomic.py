@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import List
+from typing import Callable, List
 
 _PARTIAL = ".fsdp-resume-partial-"
 _PREVIOUS = ".fsdp-resume-previous-"
@@ -49,6 +49,19 @@ def publish(partial: Path, path: Path) -> None:
         os.rename(path, path.parent / f"{path.name}{_PREVIOUS}{partial.name[len(_PARTIAL):]}")
         os.rename(partial, path)
     _sync_directory(path.parent)
+
+
+def write_file(path: Path, partial: Path, write: Callable[[Path], None]) -> None:
+    """The one writer of single-file checkpoints: ``write(partial)``, flushed to the disk, then put at ``path``
+    by ``publish``. A write that fails leaves nothing behind; ``path`` keeps what it held."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # as a sharded save and Lightning's CheckpointIO do
+    try:
+        write(partial)
+        sync_file(partial)
+        publish(partial, path)
+    except BaseException:
+        remove(partial)
+        raise
 
 
 def remove(path: Path) -> None:

@@ -227,14 +227,7 @@ def write_atomically(checkpoint: Dict[str, Any], dst: Path) -> None:
     """``torch.save`` into a hidden sibling of ``dst``, flushed to the disk, then renamed over ``dst``."""
     import secrets
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    partial = _atomic.partial_path(dst, secrets.token_hex(8))
-    try:
-        compat.save_file(checkpoint, partial)
-        _atomic.publish(partial, dst)
-    except BaseException:
-        _atomic.remove(partial)
-        raise
+    _atomic.write_file(dst, _atomic.partial_path(dst, secrets.token_hex(8)), lambda partial: compat.save_file(checkpoint, partial))
 
 
 class Progress:

@@ -15,7 +15,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from . import _checkpointing, _verify
+from . import _format, _loading, _saving, _signature, _verify
 from . import _torch_compat as compat
 
 # Native Fabric 2.1 refuses FSDP checkpoints on torch < 2.0 at save and load, not in __init__.
@@ -25,7 +25,7 @@ OLD_TORCH_ERROR = "Saving and loading checkpoints with the `FSDPStrategy` is not
 def wrap_init(original_init: Callable) -> Callable:
     """``FSDPStrategy(..., state_dict_type="sharded" | "full")``, ``"sharded"`` by default as in native Fabric 2.1
     (the Trainer's default is ``"full"``)."""
-    return _checkpointing.wrap_init(original_init, default="sharded", old_torch_error=None)
+    return _signature.wrap_init(original_init, default="sharded", old_torch_error=None)
 
 
 # --- the strategy ------------------------------------------------------------------------------------------
@@ -41,19 +41,15 @@ def save_checkpoint(
     from torch.optim import Optimizer
 
     _refuse_old_torch()
-    if storage_options is not None:
-        raise TypeError(
-            "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported because"
-            " `FSDPStrategy` does not use the `CheckpointIO`."
-        )
-    full = _checkpointing.is_full(self)
+    _saving.refuse_storage_options(storage_options)
+    full = _saving.is_full(self)
     if filter is not None and not full:
         raise NotImplementedError(
             "FSDP doesn't support loading sharded filtered checkpoints, so saving them is disabled."
             " Save with `FSDPStrategy(state_dict_type='full')` to filter."
         )
     _, module = _the_fsdp_module(state, "save", path)
-    offload = _checkpointing.offload(module) if full else False
+    offload = _saving.offload(module) if full else False
     stored: Dict[str, Any] = {}
     metadata: Dict[str, Any] = {}
     for key, obj in state.items():
@@ -66,9 +62,9 @@ def save_checkpoint(
         _keep(key, (filter or {}).get(key), converted, into)
     if full:
         # Rank 0 alone holds the gathered entries; only it writes.
-        _checkpointing.write_full(self, path, lambda partial: compat.save_file({**stored, **metadata}, partial))
+        _saving.write_full(self, path, lambda partial: compat.save_file({**stored, **metadata}, partial))
     else:
-        _checkpointing.write_sharded(self, path, stored, metadata)
+        _saving.write_sharded(self, path, stored, metadata)
 
 
 def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True) -> Dict[str, Any]:
@@ -84,8 +80,6 @@ def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True
             f"Got FSDPStrategy.load_checkpoint(..., state={state!r}) but a state with at least  a model instance to"
             " reload is required. Pass it in like so: FSDPStrategy.load_checkpoint(..., state={'model': model, ...})"
         )
-    # Every rank loads what rank 0 names, so all shards come from one checkpoint.
-    path = Path(_checkpointing.broadcast(self, str(path)))
     if isinstance(state, Module):
         _load_raw_module(self, path, state, strict)
         return {}
@@ -97,45 +91,50 @@ def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True
     module_key, module = _the_fsdp_module(state, "load", path)
     optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
     other_keys = [key for key in state if key != module_key and key not in optimizer_keys]
-    # Rank 0 checks the files and the requested keys; every rank raises its verdict, so none waits in a collective.
-    kind, entries = _checkpointing.decided_on_rank_zero(
-        self, _checked, path, module_key, optimizer_keys + other_keys, strict
-    )
-    restore = _checkpointing.Restore(
-        module=module,
-        prefix="",  # Fabric wraps the FSDP module from outside: its names are the user's
-        module_key=module_key,
-        optimizers={key: state[key] for key in optimizer_keys if key in entries},
-        strict=strict,
-        use_orig_params=bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False)),
-    )
-    if kind == _verify.SHARDED:
-        _checkpointing.load_sharded(path, restore, compat.read_shard_index(path))
-        remainder = _verify.read_meta(path)
-    else:
-        remainder = _verify.read_full(path, required=None)
-        optimizer_states = {key: remainder.pop(key) for key in restore.optimizers}
-        _checkpointing.load_full(self, path, restore, remainder.pop(module_key), optimizer_states)
+    check = functools.partial(_checked, module_key=module_key, requested=optimizer_keys + other_keys, strict=strict)
+
+    def plan(path: Path, saved_optimizers: int, entries: Set[str]) -> _loading.Restore:
+        return _loading.Restore(
+            module=module,
+            prefix="",  # Fabric wraps the FSDP module from outside: its names are the user's
+            module_key=module_key,
+            optimizers={key: state[key] for key in optimizer_keys if key in entries},
+            strict=strict,
+            use_orig_params=bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False)),
+        )
+
+    def take(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        return {key: checkpoint.pop(key) for key in [module_key, *optimizer_keys] if key in checkpoint}
+
+    remainder = _loading.load(self, path, check, plan, take)
     for key in other_keys:
         if key in remainder:
             _put(state, key, remainder.pop(key))
     return remainder
 
 
-def _load_raw_module(self: Any, path: Path, module: Any, strict: bool) -> None:
+def _load_raw_module(self: Any, path: Any, module: Any, strict: bool) -> None:
     """``Fabric.load_raw(path, module)``: a file holding the module's state dict, loaded into its shards."""
-    kind = _checkpointing.decided_on_rank_zero(self, _verify.checkpoint_kind, path)
-    if kind != _verify.FULL:
+
+    def plan(path: Path, saved_optimizers: int, _: Any) -> _loading.Restore:
+        return _loading.Restore(module=module, prefix="", module_key="", optimizers={}, strict=strict, use_orig_params=False)
+
+    _loading.load(self, path, _checked_raw, plan, lambda checkpoint: {"": checkpoint})
+
+
+def _checked_raw(path: Path) -> Tuple[_format.StateDictType, None]:
+    """Rank 0: ``load_raw`` takes one file of a module's state dict."""
+    kind, _ = _loading.checked_kind(path)
+    if kind != _format.FULL:
         raise ValueError(
             "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
             f" full state dict: {path}. It is a sharded checkpoint directory: load it with"
             " `fabric.load(path, {'model': model})` instead."
         )
-    restore = _checkpointing.Restore(module=module, prefix="", module_key="", optimizers={}, strict=strict, use_orig_params=False)
-    _checkpointing.load_full(self, path, restore, _verify.read_full(path, required=None), {})
+    return kind, None
 
 
-def _checked(path: Path, module_key: str, requested: List[str], strict: bool) -> Tuple[str, Set[str]]:
+def _checked(path: Path, module_key: str, requested: List[str], strict: bool) -> Tuple[_format.StateDictType, Set[str]]:
     """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
     kind = _verify.checkpoint_kind(path)
     entries = _verify.checkpoint_entries(path, kind)
@@ -223,7 +222,7 @@ def wrap_save(original_save: Callable) -> Callable:
         self.barrier()
         return None
 
-    save.__signature__ = _with_keyword(original_save, "filter", None, Optional[Dict[str, Callable[[str, Any], bool]]])  # type: ignore[attr-defined]
+    save.__signature__ = _signature.with_keyword(original_save, "filter", None, Optional[Dict[str, Callable[[str, Any], bool]]])  # type: ignore[attr-defined]
     return save
 
 
@@ -249,7 +248,7 @@ def wrap_load(original_load: Callable) -> Callable:
                     _refresh_wrapper(state[key])
         return remainder
 
-    load.__signature__ = _with_keyword(original_load, "strict", True, bool)  # type: ignore[attr-defined]
+    load.__signature__ = _signature.with_keyword(original_load, "strict", True, bool)  # type: ignore[attr-defined]
     return load
 
 
@@ -320,5 +319,3 @@ def _refresh_wrapper(obj: Any) -> None:
         obj.__dict__.update(state=inner.state, param_groups=inner.param_groups)
 
 
-def _with_keyword(original: Callable, name: str, default: Any, annotation: Any) -> inspect.Signature:
-    return _checkpointing.with_keyword(inspect.signature(original), name, default, annotation)

@@ -9,9 +9,15 @@ Lightning 2.1+ writes.
 """
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Literal, Sequence
 
 from ._versions import FABRIC, TRAINER
+
+# A checkpoint's kind, and a strategy's ``state_dict_type``: a directory of shards, or one file.
+StateDictType = Literal["full", "sharded"]
+FULL: StateDictType = "full"
+SHARDED: StateDictType = "sharded"
+STATE_DICT_TYPES = (FULL, SHARDED)
 
 METADATA_FILENAME = "meta.pt"
 # torch.distributed.checkpoint's own index of a sharded checkpoint: what each key holds and where.

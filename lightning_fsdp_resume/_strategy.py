@@ -3,12 +3,13 @@
 Written as methods: ``self`` is the ``FSDPStrategy`` instance. Nothing here knows about patching; the
 table in ``_patches`` puts these on the class. Works for ``lightning.pytorch`` and ``pytorch_lightning``
 alike by touching Lightning only through the strategy object. What Fabric's strategy does alike lives in
-``_checkpointing``.
+``_saving`` and ``_loading``.
 """
+import functools
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from . import _checkpointing, _format, _verify
+from . import _format, _loading, _ranks, _saving, _signature, _verify
 from . import _torch_compat as compat
 
 OLD_TORCH_ERROR = (
@@ -19,7 +20,7 @@ OLD_TORCH_ERROR = (
 
 def wrap_init(original_init: Callable) -> Callable:
     """``FSDPStrategy(..., state_dict_type="full" | "sharded")``, ``"full"`` by default as in native 2.1."""
-    return _checkpointing.wrap_init(original_init, default="full", old_torch_error=OLD_TORCH_ERROR)
+    return _signature.wrap_init(original_init, default="full", old_torch_error=OLD_TORCH_ERROR)
 
 
 def restore_checkpoint_after_setup(self: Any) -> bool:
@@ -41,18 +42,18 @@ def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
 
 
 def lightning_module_state_dict(self: Any) -> Dict[str, Any]:
-    full = _checkpointing.is_full(self)
-    state = compat.model_state_dict(self.model, full=full, offload=_checkpointing.offload(self.model))
+    full = _saving.is_full(self)
+    state = compat.model_state_dict(self.model, full=full, offload=_saving.offload(self.model))
     return _format.strip_prefix(state, _prefix(self))
 
 
 def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-    full = _checkpointing.is_full(self)
+    full = _saving.is_full(self)
     if not compat.supports_sharded_checkpoints():
-        _checkpointing.warn_rank_zero(self, "FSDP in Lightning with PyTorch < 2.0 does not support saving the optimizer state.")
+        _ranks.warn_rank_zero(self, "FSDP in Lightning with PyTorch < 2.0 does not support saving the optimizer state.")
         return {}
-    state = compat.optimizer_state_dict(self.model, optimizer, full=full, offload=_checkpointing.offload(self.model))
+    state = compat.optimizer_state_dict(self.model, optimizer, full=full, offload=_saving.offload(self.model))
     state = _format.strip_optimizer_prefix(state, _prefix(self))
     if not full:
         return state
@@ -61,57 +62,51 @@ def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
     # Standard PyTorch format (parameter ids), as a non-FSDP run writes it. Native 2.1.4 uses
     # FSDP.rekey_optim_state_dict here, which fails for flat parameters (use_orig_params=False).
     groups = [group["params"] for group in state["param_groups"]]
-    return _format.names_to_ids(state, _checkpointing.names_by_group(_restore(self, fitting=False), groups))
+    return _format.names_to_ids(state, _loading.names_by_group(_restore(self, fitting=False), groups))
 
 
 def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
     """A sharded directory (``model``, ``optimizer_0``, … and ``meta.pt``) or one file, put at ``filepath``
     only once complete."""
-    if storage_options is not None:
-        raise TypeError(
-            "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported because"
-            " `FSDPStrategy` does not use the `CheckpointIO`."
-        )
-    if _checkpointing.is_full(self):
-        _checkpointing.write_full(self, filepath, lambda partial: self.checkpoint_io.save_checkpoint(checkpoint, partial))
+    _saving.refuse_storage_options(storage_options)
+    if _saving.is_full(self):
+        _saving.write_full(self, filepath, lambda partial: self.checkpoint_io.save_checkpoint(checkpoint, partial))
         return
-    stored = {_format.MODEL_KEY: checkpoint.pop("state_dict")}
-    for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-        stored[_format.optimizer_key(index)] = optimizer_state
-    _checkpointing.write_sharded(self, filepath, stored, checkpoint)
+    _saving.write_sharded(self, filepath, _stored(checkpoint, keep_optimizer_states=False), checkpoint)
 
 
 def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
-    # Every rank loads what rank 0 names, so all shards come from one checkpoint.
-    path = Path(_checkpointing.broadcast(self, str(checkpoint_path)))
-    # Rank 0 checks the files; every rank raises its verdict, so none waits in a collective.
-    kind = _checkpointing.decided_on_rank_zero(self, _verify.checkpoint_kind, path)
-    if kind == _verify.SHARDED:
-        shards = compat.read_shard_index(path)
-        fitting = _fitting(self)
-        if fitting:
-            _check_optimizer_count(self, _format.count_saved_optimizers(shards.state_dict_metadata), path)
-        _checkpointing.load_sharded(path, _restore(self, fitting), shards)
-        return _verify.read_meta(path)
-    checkpoint = _verify.read_full(path)
-    optimizer_states = checkpoint.get("optimizer_states")
+    """Weights into the FSDP module and, when fitting, every optimizer's state into its shards; returns the
+    rest of the checkpoint for Lightning to restore (loops, callbacks, schedulers)."""
+    take = functools.partial(_stored, keep_optimizer_states=True)
+    return _loading.load(self, checkpoint_path, _loading.checked_kind, functools.partial(_plan, self), take, "state_dict")
+
+
+def _plan(self: Any, path: Path, saved_optimizers: int, _: Any) -> _loading.Restore:
+    """validate/test/predict: the weights are all there is to load; fit: the optimizers too, as many as saved."""
     fitting = _fitting(self)
     if fitting:
-        _check_optimizer_count(self, len(optimizer_states or []), path)
-    states = {_format.optimizer_key(index): state for index, state in enumerate(optimizer_states or [])}
-    # validate/test/predict: the weights are all there is to load.
-    restore = _restore(self, fitting and optimizer_states is not None)
-    _checkpointing.load_full(self, path, restore, checkpoint.pop("state_dict"), states)
-    return checkpoint
+        _check_optimizer_count(self, saved_optimizers, path)
+    return _restore(self, fitting)
+
+
+def _stored(checkpoint: Dict[str, Any], keep_optimizer_states: bool) -> Dict[str, Any]:
+    """A Lightning checkpoint's weights and optimizer states, under the keys a sharded one stores them by,
+    taken out of ``checkpoint`` (a load leaves ``optimizer_states`` in it, as Lightning's own loading does)."""
+    optimizer_states = (checkpoint.get if keep_optimizer_states else checkpoint.pop)("optimizer_states", None) or []
+    return {
+        _format.MODEL_KEY: checkpoint.pop("state_dict"),
+        **{_format.optimizer_key(index): state for index, state in enumerate(optimizer_states)},
+    }
 
 
 # --- small helpers, all read-only ------------------------------------------------------------------
 
 
-def _restore(self: Any, fitting: bool) -> _checkpointing.Restore:
+def _restore(self: Any, fitting: bool) -> _loading.Restore:
     """The Trainer's module and, when fitting, its optimizers, under the keys the Trainer stores them by."""
     optimizers = {_format.optimizer_key(index): optimizer for index, optimizer in enumerate(self.optimizers)}
-    return _checkpointing.Restore(
+    return _loading.Restore(
         module=self.model,
         prefix=_prefix(self),
         module_key=_format.MODEL_KEY,

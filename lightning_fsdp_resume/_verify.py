@@ -7,8 +7,7 @@ from typing import Any, Dict, Iterable, Optional, Set, Tuple
 from . import _atomic, _format
 from . import _torch_compat as compat
 
-SHARDED = "sharded"
-FULL = "full"
+SHARDED, FULL = _format.SHARDED, _format.FULL
 _INDEX = _format.DCP_METADATA_FILENAME
 
 
@@ -22,7 +21,7 @@ def not_a_checkpoint(path: Path) -> str:
     return f"The path {str(path)!r} does not point to a valid checkpoint"
 
 
-def checkpoint_kind(path: Path) -> str:
+def checkpoint_kind(path: Path) -> _format.StateDictType:
     """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise."""
     if not path.exists():
         raise MissingCheckpointError(_missing(path))

@@ -1,0 +1,134 @@
+"""What the Trainer's and Fabric's FSDP strategies do alike when loading: the one load routine (``load``) that
+takes the path rank 0 names, has rank 0 check the checkpoint, and loads one FSDP module with its optimizers
+straight into their shards, from a sharded directory or a full file.
+
+What differs between the two strategies is passed in: which checkpoint entries hold the module and the
+optimizers, the module's name prefix, strictness, what else rank 0 checks. Nothing here knows about
+patching or about the Trainer or Fabric.
+"""
+from pathlib import Path
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+
+from . import _format, _verify
+from . import _torch_compat as compat
+from ._ranks import broadcast, decided_on_rank_zero, warn_rank_zero
+
+
+class Restore(NamedTuple):
+    """What a load restores: one FSDP-wrapped module and the optimizers over its parameters."""
+
+    module: Any  # the FSDP-wrapped root
+    prefix: str  # the module's parameter names before the stored ones (Lightning 2.0.x: ``_forward_module.``)
+    module_key: str  # the checkpoint entry holding the module's weights
+    optimizers: Dict[str, Any]  # checkpoint entry -> optimizer to restore; empty: the weights only
+    strict: bool  # refuse a checkpoint whose weights are not exactly the module's
+    use_orig_params: bool  # the optimizers hold the original parameters, not FSDP's flat ones
+
+
+# rank 0's verdict on a path: the checkpoint's kind and whatever else the strategy checked
+Check = Callable[[Path], Tuple[_format.StateDictType, Any]]
+# (path, the number of optimizer states the checkpoint holds, the rest of rank 0's verdict) -> what to load
+Plan = Callable[[Path, int, Any], Restore]
+# a full file's module and optimizer entries, taken out of it under the keys a sharded checkpoint stores them by
+Take = Callable[[Dict[str, Any]], Dict[str, Any]]
+
+
+def load(strategy: Any, path: Any, check: Check, plan: Plan, take: Take, required: Optional[str] = None) -> Dict[str, Any]:
+    """Load the checkpoint at ``path`` into the module and optimizers that ``plan`` names; returns the rest of
+    the checkpoint (a sharded one's ``meta.pt``, a full file less what ``take`` took; ``required``: an entry
+    the full file must have).
+
+    Every rank loads what rank 0 names, so all shards come from one checkpoint; rank 0 checks the files
+    before anything is loaded and every rank raises its verdict, so none waits in a collective.
+    """
+    path = Path(broadcast(strategy, str(path)))
+    kind, verdict = decided_on_rank_zero(strategy, check, path)
+    if kind == _format.SHARDED:
+        shards = compat.read_shard_index(path)
+        restore = plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
+        load_sharded(path, restore, shards)
+        return _verify.read_meta(path)
+    checkpoint = _verify.read_full(path, required)
+    stored = take(checkpoint)
+    restore = plan(path, _format.count_saved_optimizers(stored), verdict)
+    optimizer_states = {key: stored[key] for key in restore.optimizers}
+    load_full(strategy, path, restore, stored[restore.module_key], optimizer_states)
+    return checkpoint
+
+
+def checked_kind(path: Path) -> Tuple[_format.StateDictType, None]:
+    """A ``Check`` that asks only for a complete checkpoint."""
+    return _verify.checkpoint_kind(path), None
+
+
+def load_sharded(path: Path, restore: Restore, shards: Any) -> None:
+    """Load ``restore`` from the sharded checkpoint at ``path`` whose index (``.metadata``) is ``shards``."""
+    module, prefix, key = restore.module, restore.prefix, restore.module_key
+    stored = _verify.stored_model_shapes(shards, key)
+    shapes = compat.model_parameter_shapes(module)
+    if shapes is not None:
+        # Read each rank's elements straight into its flat parameters: no state-dict template.
+        keys = _loadable_keys(path, restore, _format.strip_prefix(shapes, prefix), stored)
+        compat.read_model_into_shards(module, path, {prefix + name: f"{key}.{name}" for name in keys})
+        model_state: Dict[str, Any] = {}  # only the torch < 2.5 optimizer loader reads it
+    else:
+        model_state = _format.strip_prefix(compat.model_state_dict(module, full=False, offload=False), prefix)
+        keys = _loadable_keys(path, restore, _verify.tensor_shapes(model_state), stored)
+        container = {key: {name: value for name, value in model_state.items() if name in keys}}
+        compat.load_distributed(container, path)
+        model_state = container[key]
+        compat.load_model_state_dict(module, _format.add_prefix(model_state, prefix), full=False, strict=restore.strict)
+    for optimizer_key, optimizer in restore.optimizers.items():
+        compat.load_sharded_optimizer_state(module, optimizer, model_state, optimizer_key, path, shards, prefix)
+
+
+def load_full(strategy: Any, path: Path, restore: Restore, state_dict: Dict[str, Any], optimizer_states: Dict[str, Any]) -> None:
+    """Load ``restore`` from a full checkpoint's weights and optimizer states (by checkpoint entry), which
+    every rank passes whole (memory-mapped); each rank keeps its part."""
+    module, prefix = restore.module, restore.prefix
+    shapes = compat.model_parameter_shapes(module)
+    direct = shapes is not None  # copy each rank's elements into its flat parameters, gathering nothing
+    if not direct:
+        # Only the global shapes are wanted: the sharded template goes at once.
+        shapes = _verify.tensor_shapes(compat.model_state_dict(module, full=False, offload=False))
+    keys = _loadable_keys(path, restore, _format.strip_prefix(shapes, prefix), _verify.tensor_shapes(state_dict))
+    state_dict = _format.add_prefix({name: value for name, value in state_dict.items() if name in keys}, prefix)
+    if direct:
+        compat.copy_model_into_shards(module, state_dict)
+    else:
+        compat.load_model_state_dict(module, state_dict, full=True, strict=restore.strict)
+    if not restore.optimizers:
+        return
+    if not compat.supports_sharded_checkpoints():
+        warn_rank_zero(strategy, "FSDP in Lightning with PyTorch < 2.0 does not support loading the optimizer state.")
+        return
+    for optimizer_key, optimizer in restore.optimizers.items():
+        state = optimizer_states[optimizer_key]
+        if _format.is_id_keyed(state):
+            # Written by a non-FSDP run or by a full FSDP save: map ids to this optimizer's parameters.
+            groups = compat.optimizer_parameter_names(module, optimizer)
+            names = [[_format.strip_name(name, prefix) for name in group] for group in groups]
+            state = _format.ids_to_names(state, names_by_group(restore, names))
+        compat.load_full_optimizer_state(module, optimizer, state, prefix)
+
+
+def names_by_group(restore: Restore, groups: List[List[str]]) -> List[List[str]]:
+    """Parameter names per group, in the order a non-FSDP optimizer over the same parameters numbers them."""
+    groups = [list(names) for names in groups]
+    if restore.use_orig_params:
+        return groups  # the optimizer holds the original parameters in the user's order
+    prefix = restore.prefix
+    modules = [_format.clean_module_name(name) for name, _ in restore.module.named_modules()]
+    modules = [name[len(prefix) :] if name.startswith(prefix) else name for name in modules]
+    return [_format.in_module_order(names, modules) for names in groups]
+
+
+def _loadable_keys(path: Path, restore: Restore, expected: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
+    keys = _verify.loadable_keys(path, expected, stored, restore.strict)
+    missing = sorted(set(expected) - keys)
+    if missing and restore.optimizers:
+        raise RuntimeError(
+            f"The checkpoint {str(path)!r} has no weights for {', '.join(missing[:8])}, so the optimizer states"
+            " cannot be resumed. Resume with the model the checkpoint was written for."
+        )
+    return keys

@@ -1,0 +1,41 @@
+"""What tools that read signatures (LightningCLI's jsonargparse, ``inspect.signature``, IDEs) see of a patched
+method: the original's parameters plus the one the shim adds. Nothing here knows about checkpoints.
+"""
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+from . import _torch_compat as compat
+from ._format import StateDictType
+
+
+def wrap_init(original_init: Callable, default: StateDictType, old_torch_error: Optional[str]) -> Callable:
+    """``__init__(..., state_dict_type=default)``; Lightning 2.0.x would pass the argument on to FSDP.
+
+    ``old_torch_error``: the ``NotImplementedError`` message for ``"sharded"`` on torch < 2.0 (None: no check
+    here). The wrapper's signature is the original's plus ``state_dict_type``.
+    """
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, state_dict_type: StateDictType = default, **kwargs: Any) -> None:
+        if old_torch_error and state_dict_type == "sharded" and not compat.supports_sharded_checkpoints():
+            raise NotImplementedError(old_torch_error)
+        original_init(self, *args, **kwargs)
+        self._state_dict_type = state_dict_type
+
+    __init__.__signature__ = with_keyword(original_init, "state_dict_type", default, StateDictType)  # type: ignore[attr-defined]
+    return __init__
+
+
+def with_keyword(original: Callable, name: str, default: Any, annotation: Any) -> inspect.Signature:
+    """``original``'s signature plus the parameter ``name``: keyword-only before ``**kwargs`` where it has them
+    (the wrapper takes it by keyword and passes the rest on), else last and positional too."""
+    signature = inspect.signature(original)
+    parameters = [p for p in signature.parameters.values() if p.name != name]
+    at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if at is None else inspect.Parameter.KEYWORD_ONLY
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        kind = inspect.Parameter.KEYWORD_ONLY
+    at = len(parameters) if at is None else at
+    added = inspect.Parameter(name, kind, default=default, annotation=annotation)
+    return signature.replace(parameters=[*parameters[:at], added, *parameters[at:]])
