@@ -10,9 +10,9 @@ Importing this package imports neither torch nor Lightning.
 """
 import os
 import sys
-from typing import Dict, NamedTuple, Optional, Set
+from typing import Dict, NamedTuple, Optional, Set, Tuple
 
-from ._patcher import Patcher
+from ._patcher import NotOutermostError, Patcher
 from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
 
 __all__ = ["patch", "unpatch", "status", "FlavourStatus", "DISABLE_ENV"]
@@ -29,14 +29,17 @@ _refusals_said: Set[str] = set()
 class FlavourStatus(NamedTuple):
     """What the shim did with one Lightning flavour.
 
-    ``mode`` is one of: ``"patched"``, ``"native"``, ``"unsupported"``, ``"not installed"``,
-    ``"pending"`` (will be patched when imported) or ``"unpatched"`` (patchable, but patching is off).
+    ``mode`` is one of: ``"patched"`` (every class the flavour has patched: ``FSDPStrategy``, and
+    ``Fabric`` for Fabric's), ``"native"``, ``"unsupported"``, ``"not installed"``, ``"pending"`` (will be
+    patched when imported), ``"partly patched"`` (``patched_classes`` says which) or ``"unpatched"``
+    (patchable, but patching is off).
     """
 
     package: str
     version: Optional[str]
     mode: str
     reason: str
+    patched_classes: Tuple[str, ...] = ()
 
 
 def patch() -> None:
@@ -60,11 +63,19 @@ def patch() -> None:
 
 
 def unpatch() -> None:
-    """Restore every patched class exactly and stop patching on later imports. Idempotent."""
+    """Restore every patched class exactly and stop patching on later imports. Idempotent.
+
+    A class on which another library has since replaced one of the patched attributes stays patched, with a
+    warning naming it: restoring it would remove that library's change too."""
     global _wanted
     _wanted = False
     for cls in _patcher.patched_classes():
-        _patcher.revert(cls)
+        try:
+            _patcher.revert(cls)
+        except NotOutermostError as refused:
+            import warnings
+
+            warnings.warn(f"lightning_fsdp_resume.unpatch(): {refused}", RuntimeWarning, stacklevel=2)
 
 
 def status() -> Dict[str, FlavourStatus]:
@@ -80,12 +91,22 @@ def _status_of(flavour: Flavour) -> FlavourStatus:
     decision, reason = decide(version)
     if decision != PATCH:
         return FlavourStatus(flavour.package, version, decision, reason)
-    module = sys.modules.get(flavour.strategy_module)
-    cls = getattr(module, "FSDPStrategy", None)
-    if cls is not None and _patcher.is_patched(cls):
-        return FlavourStatus(flavour.package, version, "patched", reason)
-    if _wanted and cls is None:
-        return FlavourStatus(flavour.package, version, "pending", f"{reason} when {flavour.package} is imported")
+    modules = {name: module for module, name in flavour.patched_classes}
+    classes = {name: getattr(sys.modules.get(module), name, None) for name, module in modules.items()}
+    patched = tuple(name for name, cls in classes.items() if cls is not None and _patcher.is_patched(cls))
+    waiting = [modules[name] for name, cls in classes.items() if cls is None]
+    if len(patched) == len(classes):
+        return FlavourStatus(flavour.package, version, "patched", reason, patched)
+    if _wanted and len(patched) + len(waiting) == len(classes):
+        when = f"{reason} when {' and '.join(waiting)} {'is' if len(waiting) == 1 else 'are'} imported"
+        return FlavourStatus(flavour.package, version, "pending", when, patched)
+    if patched:
+        rest = ", ".join(name for name in classes if name not in patched)
+        why = (
+            f"{', '.join(patched)} patched, {rest} not: unpatch() leaves a class patched when another library has"
+            " since replaced one of its patched attributes (see its warning)"
+        )
+        return FlavourStatus(flavour.package, version, "partly patched", why, patched)
     why = f"patching is off (unpatch() was called, or {DISABLE_ENV} is set)"
     return FlavourStatus(flavour.package, version, "unpatched", why)
 

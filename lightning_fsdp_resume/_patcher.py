@@ -2,9 +2,11 @@
 
 Every attribute a patch replaces is remembered exactly as it stood in the class's own ``__dict__``
 (or remembered as absent, when the class only inherited it), so ``revert`` restores the class
-attribute for attribute and ``get_original`` answers what was there before.
+attribute for attribute and ``get_original`` answers what was there before. Like wrapt's
+``unwrap_object``, ``revert`` refuses when another library has since replaced one of those attributes
+(wrapping ours, say): restoring ours would silently remove theirs.
 """
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping, NamedTuple
 
 
 class Wrap:
@@ -14,7 +16,16 @@ class Wrap:
         self.factory = factory
 
 
+class NotOutermostError(RuntimeError):
+    """A patched attribute was replaced by someone else after ``apply``: the class is left as it is."""
+
+
 _ABSENT = object()
+
+
+class _Swap(NamedTuple):
+    original: Any  # what the class's own __dict__ held, or _ABSENT
+    replacement: Any  # what apply put there
 
 
 def _resolve(cls: type, name: str) -> Any:
@@ -27,7 +38,7 @@ def _resolve(cls: type, name: str) -> Any:
 
 class Patcher:
     def __init__(self) -> None:
-        self._saved: Dict[type, Dict[str, Any]] = {}
+        self._saved: Dict[type, Dict[str, _Swap]] = {}
 
     def apply(self, cls: type, table: Mapping[str, Any]) -> bool:
         """Put every entry of ``table`` on ``cls``. False, and nothing done, when ``cls`` is already patched."""
@@ -35,23 +46,32 @@ class Patcher:
             return False
         saved = {}
         for name, replacement in table.items():
-            saved[name] = cls.__dict__.get(name, _ABSENT)
             if isinstance(replacement, Wrap):
                 replacement = replacement.factory(_resolve(cls, name))
+            saved[name] = _Swap(cls.__dict__.get(name, _ABSENT), replacement)
             setattr(cls, name, replacement)
         self._saved[cls] = saved
         return True
 
     def revert(self, cls: type) -> bool:
-        """Undo ``apply`` exactly. False when ``cls`` was not patched."""
-        saved = self._saved.pop(cls, None)
+        """Undo ``apply`` exactly. False when ``cls`` was not patched; ``NotOutermostError``, and nothing
+        changed, when an attribute ``apply`` set has been replaced since."""
+        saved = self._saved.get(cls)
         if saved is None:
             return False
-        for name, original in saved.items():
-            if original is _ABSENT:
+        replaced = [name for name, swap in saved.items() if cls.__dict__.get(name, _ABSENT) is not swap.replacement]
+        if replaced:
+            raise NotOutermostError(
+                f"{cls.__module__}.{cls.__qualname__}: {', '.join(replaced)} replaced by someone else after it was"
+                " patched; restoring the original would remove that change too, so the class is left patched. Undo"
+                " that change first, then revert."
+            )
+        del self._saved[cls]
+        for name, swap in saved.items():
+            if swap.original is _ABSENT:
                 delattr(cls, name)
             else:
-                setattr(cls, name, original)
+                setattr(cls, name, swap.original)
         return True
 
     def is_patched(self, cls: type) -> bool:
@@ -59,7 +79,7 @@ class Patcher:
 
     def get_original(self, cls: type, name: str) -> Any:
         """What ``cls.__dict__[name]`` held before patching; ``AttributeError`` if the class only inherited it."""
-        original = self._saved[cls][name]
+        original = self._saved[cls][name].original
         if original is _ABSENT:
             raise AttributeError(f"{cls.__qualname__} did not define {name!r} itself before it was patched")
         return original
