@@ -17,12 +17,18 @@ from . import _format, _shard_layout
 _STATE_DICT_API = (2, 5)
 # torch 2.2 adds dcp.save()/dcp.load() and deprecates save_state_dict()/load_state_dict().
 _DCP_SAVE_LOAD = (2, 2)
+# From torch 2.3, dcp.save()/dcp.load() may take no_dist; the signature says whether this release's do (2.4's do not).
+_DCP_NO_DIST = (2, 3)
 # torch 2.1 adds torch.load(mmap=True): a full checkpoint is then read lazily, shared by all ranks.
 _LOAD_MMAP = (2, 1)
 # torch 2.0 adds FSDP optimizer state dicts and sharded checkpoints.
 _SHARDED = (2, 0)
 # Consolidating reads a sharded checkpoint in one process; torch 2.2 is the oldest release it is tested on.
 CONSOLIDATE_MIN = (2, 2)
+# FSDP over gloo (CPU ranks) from torch 2.2: gloo lacks _allgather_base before.
+CPU_FSDP_MIN = (2, 2)
+# torch 2.2 alone gathers an optimizer state of use_orig_params=True through torch.cuda calls.
+CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE = (2, 2)
 
 
 def torch_release() -> Tuple[int, ...]:
@@ -293,7 +299,7 @@ def _run_dcp(verb: str, state: Dict[str, Any], one_process: bool = False, **kwar
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": that is the intent.
         warnings.filterwarnings("ignore", message=".*single process")
-        if new is not None and torch_release() >= (2, 3) and "no_dist" in inspect.signature(new).parameters:
+        if new is not None and torch_release() >= _DCP_NO_DIST and "no_dist" in inspect.signature(new).parameters:
             new(state, no_dist=True, **kwargs)
         else:
             # torch 2.4: dcp.save/load have no no_dist; torch 2.2's gather keys over the missing process
