@@ -1,4 +1,4 @@
-"""Print the tox matrix table (environment, Lightning, torch, shim mode, passed, skipped, failed).
+"""Print the tox matrix table (environment, Lightning, torch, shim mode, passed, skipped, deselected, failed).
 
 Run by tox's last environment with the results folder the others wrote into. Exits non-zero when an
 environment of the envlist reported failures or errors, or reported nothing although its interpreter
@@ -35,13 +35,13 @@ def main(results: Path, tox_ini: Path) -> int:
     config = configparser.ConfigParser()
     config.read(tox_ini)
     envs = [e for e in config["tox"]["envlist"].split() if reports_results(config, e)]
-    header = ("environment", "Lightning", "torch", "shim mode", "passed", "skipped", "failed")
+    header = ("environment", "Lightning", "torch", "shim mode", "passed", "skipped", "deselected", "failed")
     rows, ok = [], True
     for env in envs:
         path = results / f"{env}.json"
         if not path.is_file():
             missing = missing_interpreter(env)
-            rows.append((env, "-", "-", f"SKIPPED: no {missing}" if missing else "NO RESULTS", "-", "-", "-"))
+            rows.append((env, "-", "-", f"SKIPPED: no {missing}" if missing else "NO RESULTS", "-", "-", "-", "-"))
             ok = ok and bool(missing)
             continue
         r = json.loads(path.read_text())
@@ -49,7 +49,8 @@ def main(results: Path, tox_ini: Path) -> int:
         modes = ", ".join(sorted({m for _, m in r["lightning"].values()}))
         failed = r["failed"] + r["error"]
         ok = ok and failed == 0
-        rows.append((env, lightning, r["torch"], modes, r["passed"], r["skipped"], failed))
+        # deselected: left out by the environment's -m selection (tox.ini), not skipped; 0 in results of before it was counted
+        rows.append((env, lightning, r["torch"], modes, r["passed"], r["skipped"], r.get("deselected", 0), failed))
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)))

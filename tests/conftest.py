@@ -73,7 +73,7 @@ def pytest_terminal_summary(terminalreporter):
     record = {
         "torch": torch.__version__,
         "lightning": {p: [s.version, s.mode] for p, s in shim.status().items() if s.version},
-        **{key: len(stats.get(key, [])) for key in ("passed", "skipped", "failed", "error")},
+        **{key: len(stats.get(key, [])) for key in ("passed", "skipped", "failed", "error", "deselected")},
     }
     Path(target).parent.mkdir(parents=True, exist_ok=True)
     Path(target).write_text(json.dumps(record))

@@ -99,6 +99,7 @@ def test_killed_sharded_saves_leave_the_previous_checkpoint_loadable(reference, 
     assert _run_chain(reference, tmp_path, "sharded", 0, SHARDED_TRIALS, first_save_killed=True) == 9
 
 
+@pytest.mark.smoke
 def test_killed_full_saves_leave_the_previous_checkpoint_loadable(reference, tmp_path):
     assert _run_chain(reference, tmp_path, "full", FULL_USE_ORIG_PARAMS, FULL_TRIALS, first_save_killed=False) == 2
 

@@ -91,6 +91,7 @@ def _assert_resumed_exactly(ref: Path, run: Path, epoch: int = RESUME_EPOCH) -> 
 # --- save, load in new processes, continue ----------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_sharded_save_load_continue_is_bit_exact(fabric_reference, resumed):
     ref = fabric_reference("sharded")
     assert (ref / "ckpt" / RESUME / "meta.pt").is_file()

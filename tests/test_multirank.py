@@ -31,13 +31,14 @@ def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("use_orig_params", [0, 1])
+@pytest.mark.parametrize("use_orig_params", [pytest.param(0, marks=pytest.mark.smoke), 1])
 def test_sharded_resume_is_bit_exact(reference, tmp_path, use_orig_params):
     resumed = _resume_matches_uninterrupted(reference, tmp_path, ("sharded", use_orig_params))
     assert (reference("sharded", use_orig_params) / "ckpt" / MID).is_dir()
     assert info(resumed / "out", "start")["epoch"] == 2
 
 
+@pytest.mark.smoke
 def test_a_torchrun_launch_resumes_the_same_as_the_rank_server(reference, tmp_path):
     """The suite forks its ranks from a process that has already imported Lightning (rank_server.py);
     a resume launched by torchrun itself restores and ends exactly as the forked runs do."""
@@ -48,7 +49,7 @@ def test_a_torchrun_launch_resumes_the_same_as_the_rank_server(reference, tmp_pa
     assert_ranks_identical(ref / "out", "final", tmp_path / "out", "final")
 
 
-@pytest.mark.parametrize("use_orig_params", [0, 1])
+@pytest.mark.parametrize("use_orig_params", [pytest.param(0, marks=pytest.mark.smoke), 1])
 def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params):
     if NATIVE and not use_orig_params:
         pytest.skip(f"native Lightning {VERSION} cannot save a full checkpoint with use_orig_params=False")
