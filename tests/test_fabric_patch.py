@@ -6,11 +6,10 @@ import inspect
 import pytest
 import torch
 
-from lightning_fsdp_resume import _versions
-from support.flavours import FLAVOURS, PATCHABLE
+from support.flavours import PATCHABLE_FABRICS
+from support.marks import needs_patched_fabric
 
-PATCHABLE_FABRICS = [p for p in PATCHABLE if FLAVOURS[p].kind == _versions.FABRIC]
-pytestmark = pytest.mark.skipif(not PATCHABLE_FABRICS, reason="no Fabric 2.0.x installed: nothing of Fabric is patched")
+pytestmark = needs_patched_fabric
 PACKAGE = PATCHABLE_FABRICS[0] if PATCHABLE_FABRICS else None
 
 

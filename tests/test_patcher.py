@@ -5,8 +5,9 @@ import importlib
 import pytest
 
 import lightning_fsdp_resume as shim
-from lightning_fsdp_resume import _versions
 from lightning_fsdp_resume._patcher import NotOutermostError, Patcher, Wrap
+from support.flavours import PATCHABLE_FABRICS
+from support.marks import needs_patched_fabric
 
 
 class Original:
@@ -49,17 +50,11 @@ def test_revert_refuses_when_someone_wrapped_on_top_and_changes_nothing():
         Original.greet = pristine
 
 
-_FABRICS = [
-    f.package for f in _versions.FLAVOURS
-    if f.kind == _versions.FABRIC and _versions.installed_version(f) and _versions.decide(_versions.installed_version(f))[0] == _versions.PATCH
-]
-
-
-@pytest.mark.skipif(not _FABRICS, reason="no Fabric 2.0.x installed: nothing of Fabric is patched")
+@needs_patched_fabric
 class TestFabricStatus:
     @pytest.fixture(autouse=True)
     def fabric(self):
-        package = _FABRICS[0]
+        package = PATCHABLE_FABRICS[0]
         yield importlib.import_module(f"{package}.fabric").Fabric, package
         shim.patch()
 

@@ -17,6 +17,7 @@ PATCHABLE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versi
 # The Trainer's flavours (lightning.pytorch, pytorch_lightning), for the tests of the Trainer's strategy
 TRAINERS = [p for p in INSTALLED if FLAVOURS[p].kind == _versions.TRAINER]
 PATCHABLE_TRAINERS = [p for p in PATCHABLE if p in TRAINERS]
+PATCHABLE_FABRICS = [p for p in PATCHABLE if FLAVOURS[p].kind == _versions.FABRIC]
 
 
 class UnderTest(NamedTuple):

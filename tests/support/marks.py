@@ -5,7 +5,7 @@ import pytest
 
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume.testing import cpu_fsdp_supported
-from support.flavours import PATCHABLE_TRAINERS
+from support.flavours import PATCHABLE_FABRICS, PATCHABLE_TRAINERS
 
 _CPU_FSDP, _NO_CPU_FSDP = cpu_fsdp_supported()
 # Every test that runs FSDP ranks on the CPU (the multirank ones): gloo cannot serve FSDP before torch 2.2.
@@ -17,6 +17,8 @@ needs_consolidate = pytest.mark.skipif(compat.torch_release() < compat.CONSOLIDA
 
 # The tests of the Trainer's patched strategy itself (its signature, its saves in one process).
 needs_patched_trainer = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: nothing of the Trainer is patched")
+# The same for Fabric's patched classes (Fabric and its FSDPStrategy).
+needs_patched_fabric = pytest.mark.skipif(not PATCHABLE_FABRICS, reason="no Fabric 2.0.x installed: nothing of Fabric is patched")
 
 # Runs that are several torchrun launches of their own (the two-node run, the benchmark's smoke run)
 # are made in one environment of the matrix, for time: tox sets this there.
