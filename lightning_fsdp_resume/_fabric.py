@@ -90,8 +90,11 @@ def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True
         )
     module_key, module = _the_fsdp_module(state, "load", path)
     optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
-    other_keys = [key for key in state if key != module_key and key not in optimizer_keys]
-    check = functools.partial(_checked, module_key=module_key, requested=optimizer_keys + other_keys, strict=strict)
+    # modules without FSDP units: a sharded save stores them with the shards, so they are loaded from there too
+    module_keys = [key for key, obj in state.items() if isinstance(obj, Module) and key != module_key]
+    other_keys = [key for key in state if key != module_key and key not in optimizer_keys + module_keys]
+    requested = optimizer_keys + module_keys + other_keys
+    check = functools.partial(_checked, module_key=module_key, requested=requested, strict=strict)
 
     def plan(path: Path, saved_optimizers: int, entries: Set[str]) -> _loading.Restore:
         return _loading.Restore(
@@ -101,10 +104,13 @@ def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True
             optimizers={key: state[key] for key in optimizer_keys if key in entries},
             strict=strict,
             use_orig_params=bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False)),
+            leniency=_verify.FABRIC_LENIENCY,
+            modules={key: state[key] for key in module_keys if key in entries},
+            optimizers_without_weights=not strict,
         )
 
     def take(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-        return {key: checkpoint.pop(key) for key in [module_key, *optimizer_keys] if key in checkpoint}
+        return {key: checkpoint.pop(key) for key in [module_key, *optimizer_keys, *module_keys] if key in checkpoint}
 
     remainder = _loading.load(self, path, check, plan, take)
     for key in other_keys:
@@ -117,19 +123,25 @@ def _load_raw_module(self: Any, path: Any, module: Any, strict: bool) -> None:
     """``Fabric.load_raw(path, module)``: a file holding the module's state dict, loaded into its shards."""
 
     def plan(path: Path, saved_optimizers: int, _: Any) -> _loading.Restore:
-        return _loading.Restore(module=module, prefix="", module_key="", optimizers={}, strict=strict, use_orig_params=False)
+        return _loading.Restore(
+            module=module, prefix="", module_key="", optimizers={}, strict=strict, use_orig_params=False,
+            leniency=_verify.FABRIC_LENIENCY,
+        )
 
     _loading.load(self, path, _checked_raw, plan, lambda checkpoint: {"": checkpoint})
 
 
 def _checked_raw(path: Path) -> Tuple[_format.StateDictType, None]:
     """Rank 0: ``load_raw`` takes one file of a module's state dict."""
-    kind, _ = _loading.checked_kind(path)
+    refusal = "Failed to load checkpoint directly into the model. The given path must be a single file containing the full state dict"
+    try:
+        kind, _ = _loading.checked_kind(path)
+    except _verify.MissingCheckpointError as missing:
+        raise _verify.MissingCheckpointError(f"{refusal}: {path}. It does not exist.") from missing
     if kind != _format.FULL:
         raise ValueError(
-            "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
-            f" full state dict: {path}. It is a sharded checkpoint directory: load it with"
-            " `fabric.load(path, {'model': model})` instead."
+            f"{refusal}: {path}. It is a sharded checkpoint directory: load it with `fabric.load(path, {{'model': model}})`"
+            " instead."
         )
     return kind, None
 
@@ -140,10 +152,13 @@ def _checked(path: Path, module_key: str, requested: List[str], strict: bool) ->
     entries = _verify.checkpoint_entries(path, kind)
     missing = [key for key in [module_key, *requested] if key not in entries]
     if module_key in missing or (strict and missing):
+        advice = (
+            "To disable strict loading, set `strict=False`." if strict
+            else f"The FSDP model's entry is needed even with `strict=False`: load a checkpoint that holds {module_key!r}."
+        )
         raise KeyError(
             f"The requested state contains a key '{missing[0]}' that does not exist in the loaded checkpoint."
-            f" To disable strict loading, set `strict=False`. (Checkpoint: {str(path)!r}, which holds"
-            f" {', '.join(sorted(entries))}.)"
+            f" {advice} (Checkpoint: {str(path)!r}, which holds {', '.join(sorted(entries))}.)"
         )
     return kind, entries
 
@@ -200,6 +215,21 @@ def _put(state: Dict[str, Any], key: str, value: Any) -> None:
         state[key] = value
 
 
+def refuse_checkpoint_io(original: Any) -> property:
+    """``checkpoint_io``: Fabric 2.0.x accepted a ``CheckpointIO`` for FSDP and never used it; native 2.1 refuses
+    it when it is set (by ``Fabric(plugins=[...])`` or ``FSDPStrategy(checkpoint_io=...)``, which Fabric sets)."""
+
+    def setter(self: Any, io: Any) -> None:
+        if io is not None:
+            raise NotImplementedError(
+                f"The `{type(self).__name__}` does not support setting a `CheckpointIO` plugin. It saves and loads"
+                " through torch.distributed.checkpoint itself: remove the plugin."
+            )
+        original.fset(self, io)
+
+    return property(original.fget, setter, original.fdel, original.__doc__)
+
+
 def _refuse_old_torch() -> None:
     if not compat.supports_sharded_checkpoints():
         raise NotImplementedError(OLD_TORCH_ERROR)
@@ -237,12 +267,14 @@ def wrap_load(original_load: Callable) -> Callable:
                 raise NotImplementedError(_only_fsdp(self, "load(..., strict=False)"))
             return original_load(self, path, state)
         unwrapped = _unwrap(self, state)
+        given = dict(unwrapped or {})
         remainder = self._strategy.load_checkpoint(path=path, state=unwrapped, strict=strict)
         self.barrier()
         if state is not None:
-            # Unwrapping made a new dict: plain values loaded into it go back into the caller's.
+            # Unwrapping made a new dict (and new lists, dicts and tuples in it): every value the load put
+            # in it goes back into the caller's; the wrappers of what it loaded in place see the change.
             for key, value in unwrapped.items():
-                if _unwrap(self, state[key]) is state[key]:
+                if value is not given[key]:
                     state[key] = value
                 else:
                     _refresh_wrapper(state[key])
@@ -259,8 +291,12 @@ def load_raw(self: Any, path: Any, obj: Any, strict: bool = True) -> None:
         self._strategy.load_checkpoint(path=path, state=obj, strict=strict)
         return
     from torch.nn import Module
+    from torch.nn.parallel import DistributedDataParallel
 
-    state = compat.load_file(Path(path), lazy=False)  # other strategies of 2.0.x: what native 2.1's base one does
+    # other strategies of 2.0.x: what native 2.1's base one does, through the strategy's CheckpointIO
+    state = self._strategy.checkpoint_io.load_checkpoint(path)
+    if isinstance(obj, DistributedDataParallel):
+        obj = obj.module  # the state dict is the module's own, without DDP's "module." prefix
     if isinstance(obj, Module):
         obj.load_state_dict(state, strict=strict)
     else:

@@ -7,7 +7,7 @@ optimizers, the module's name prefix, strictness, what else rank 0 checks. Nothi
 patching or about the Trainer or Fabric.
 """
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from . import _format, _verify
 from . import _torch_compat as compat
@@ -23,6 +23,12 @@ class Restore(NamedTuple):
     optimizers: Dict[str, Any]  # checkpoint entry -> optimizer to restore; empty: the weights only
     strict: bool  # refuse a checkpoint whose weights are not exactly the module's
     use_orig_params: bool  # the optimizers hold the original parameters, not FSDP's flat ones
+    leniency: str = _verify.TRAINER_LENIENCY  # how to load anyway, said when ``strict`` refuses
+    # restore the optimizers even where the checkpoint lacks weights (Fabric's strict=False: a filter= save
+    # of the trainable weights); the Trainer's fit needs every weight the optimizers step
+    optimizers_without_weights: bool = False
+    # checkpoint entry -> a module without FSDP units beside the FSDP one (Fabric: an EMA copy, say), loaded whole
+    modules: Mapping[str, Any] = {}
 
 
 # rank 0's verdict on a path: the checkpoint's kind and whatever else the strategy checked
@@ -52,7 +58,8 @@ def load(strategy: Any, path: Any, check: Check, plan: Plan, take: Take, require
     stored = take(checkpoint)
     restore = plan(path, _format.count_saved_optimizers(stored), verdict)
     optimizer_states = {key: stored[key] for key in restore.optimizers}
-    load_full(strategy, path, restore, stored[restore.module_key], optimizer_states)
+    other_states = {key: stored[key] for key in restore.modules}
+    load_full(strategy, path, restore, stored[restore.module_key], optimizer_states, other_states)
     return checkpoint
 
 
@@ -80,11 +87,22 @@ def load_sharded(path: Path, restore: Restore, shards: Any) -> None:
         compat.load_model_state_dict(module, _format.add_prefix(model_state, prefix), full=False, strict=restore.strict)
     for optimizer_key, optimizer in restore.optimizers.items():
         compat.load_sharded_optimizer_state(module, optimizer, model_state, optimizer_key, path, shards, prefix)
+    for other_key, other in restore.modules.items():
+        # Saved whole by every rank (torch de-duplicates); every rank reads it whole.
+        wanted = other.state_dict()
+        keys = _other_module_keys(path, restore, wanted, _verify.stored_model_shapes(shards, other_key))
+        container = {other_key: {name: value for name, value in wanted.items() if name in keys}}
+        compat.load_distributed(container, path)
+        other.load_state_dict(container[other_key], strict=restore.strict)
 
 
-def load_full(strategy: Any, path: Path, restore: Restore, state_dict: Dict[str, Any], optimizer_states: Dict[str, Any]) -> None:
-    """Load ``restore`` from a full checkpoint's weights and optimizer states (by checkpoint entry), which
-    every rank passes whole (memory-mapped); each rank keeps its part."""
+def load_full(
+    strategy: Any, path: Path, restore: Restore, state_dict: Dict[str, Any], optimizer_states: Dict[str, Any],
+    other_states: Optional[Dict[str, Any]] = None,
+) -> None:
+    """Load ``restore`` from a full checkpoint's weights, optimizer states and other modules' state dicts (by
+    checkpoint entry), which every rank passes whole (memory-mapped); each rank keeps its part."""
+    other_states = other_states or {}
     module, prefix = restore.module, restore.prefix
     shapes = compat.model_parameter_shapes(module)
     direct = shapes is not None  # copy each rank's elements into its flat parameters, gathering nothing
@@ -97,6 +115,10 @@ def load_full(strategy: Any, path: Path, restore: Restore, state_dict: Dict[str,
         compat.copy_model_into_shards(module, state_dict)
     else:
         compat.load_model_state_dict(module, state_dict, full=True, strict=restore.strict)
+    for other_key, other in restore.modules.items():
+        stored = other_states[other_key]
+        keys = _other_module_keys(path, restore, other.state_dict(), _verify.tensor_shapes(stored))
+        other.load_state_dict({name: value for name, value in stored.items() if name in keys}, strict=restore.strict)
     if not restore.optimizers:
         return
     if not compat.supports_sharded_checkpoints():
@@ -123,10 +145,14 @@ def names_by_group(restore: Restore, groups: List[List[str]]) -> List[List[str]]
     return [_format.in_module_order(names, modules) for names in groups]
 
 
+def _other_module_keys(path: Path, restore: Restore, wanted: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
+    return _verify.loadable_keys(path, _verify.tensor_shapes(wanted), stored, restore.strict, restore.leniency)
+
+
 def _loadable_keys(path: Path, restore: Restore, expected: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
-    keys = _verify.loadable_keys(path, expected, stored, restore.strict)
+    keys = _verify.loadable_keys(path, expected, stored, restore.strict, restore.leniency)
     missing = sorted(set(expected) - keys)
-    if missing and restore.optimizers:
+    if missing and restore.optimizers and not restore.optimizers_without_weights:
         raise RuntimeError(
             f"The checkpoint {str(path)!r} has no weights for {', '.join(missing[:8])}, so the optimizer states"
             " cannot be resumed. Resume with the model the checkpoint was written for."

@@ -33,6 +33,8 @@ FABRIC_FSDP_STRATEGY_PATCHES = {
     # 2.0.x inherits the base strategy's: full model gathered on every rank, rank 0's optimizer shard only
     "save_checkpoint": _fabric.save_checkpoint,
     "load_checkpoint": _fabric.load_checkpoint,
+    # 2.0.x accepts a CheckpointIO plugin and ignores it; refused when set, as native
+    "checkpoint_io": Wrap(_fabric.refuse_checkpoint_io),
 }
 
 FABRIC_PATCHES = {

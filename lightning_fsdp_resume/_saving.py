@@ -41,7 +41,7 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
     Native 2.1.4 writes in place: a crash mid-save leaves a mix of old and new shards that loads. Here the
     previous checkpoint at ``filepath`` stays intact until the new one is complete.
     """
-    path, partial = _destination(strategy, filepath)
+    path, partial = _destination(strategy, filepath, full=False)
     partial.mkdir(parents=True, exist_ok=True)
     compat.save_distributed(stored, partial)
     if strategy.global_rank == 0:
@@ -55,18 +55,19 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
 
 def write_full(strategy: Any, filepath: Any, write: Callable[[Path], None]) -> None:
     """Rank 0 ``write``s the whole checkpoint to a hidden partial sibling and puts it at ``filepath``."""
-    path, partial = _destination(strategy, filepath)
+    path, partial = _destination(strategy, filepath, full=True)
     if strategy.global_rank == 0:
         _atomic.write_file(path, partial, write)
         _remove_leftovers(path)
     barrier(strategy)
 
 
-def _destination(strategy: Any, filepath: Any) -> Tuple[Path, Path]:
-    """The path rank 0 names and the partial sibling every rank writes into."""
+def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Path, Path]:
+    """The path rank 0 names and the partial sibling every rank writes into. A full save replaces a sharded
+    checkpoint but no other directory, not even an empty one (as native 2.1 refuses)."""
     target, token = broadcast(strategy, (str(filepath), secrets.token_hex(8)))
     path = Path(target)
-    if path.is_dir() and not _format.is_replaceable_directory(path):
+    if path.is_dir() and not (_format.is_replaceable_directory(path) and (not full or any(path.iterdir()))):
         raise IsADirectoryError(
             f"The checkpoint path exists and is a directory: {path}. It is not a sharded checkpoint, so saving"
             " would replace its contents. Choose another path or remove the directory."

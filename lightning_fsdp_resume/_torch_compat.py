@@ -103,7 +103,10 @@ def _rank0_only_needs_legacy(full: bool, offload: bool) -> bool:
 
 def load_model_state_dict(model: Any, state_dict: Dict[str, Any], full: bool, strict: bool = True) -> None:
     """Full: every rank passes the whole state dict. Sharded: every rank passes its shards."""
-    if _new_api():
+    # set_model_state_dict(full_state_dict=True, strict=False) of torch 2.5 to 2.13 puts a flat parameter in place
+    # of each name the state dict lacks ("size mismatch for ...extra.weight ... torch.Size([40])"); the
+    # FSDP.state_dict_type load keeps those parameters as they are.
+    if _new_api() and (strict or not full):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         set_model_state_dict(model, state_dict, options=_options(full, False, strict=strict))

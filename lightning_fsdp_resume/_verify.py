@@ -144,13 +144,20 @@ def tensor_shapes(state: Dict[str, Any]) -> Dict[str, Optional[Tuple[int, ...]]]
     return {key: tuple(value.size()) if hasattr(value, "size") else None for key, value in state.items()}
 
 
+# How to load the keys a module and its checkpoint both have, by who loads: the Trainer's setting, Fabric's argument.
+TRAINER_LENIENCY = "Set `strict_loading = False` on the LightningModule to load the keys both have."
+FABRIC_LENIENCY = "Pass `strict=False` to load the keys both have."
+
+
 def loadable_keys(
     path: Path,
     expected: Dict[str, Optional[Tuple[int, ...]]],
     stored: Dict[str, Optional[Tuple[int, ...]]],
     strict: bool,
+    leniency: str = TRAINER_LENIENCY,
 ) -> Set[str]:
-    """The model keys to load; refuses a checkpoint of another model (``strict``: any key difference)."""
+    """The model keys to load; refuses a checkpoint of another model (``strict``: any key difference, with
+    ``leniency`` saying how to load the keys both have)."""
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
     # Each problem in the words torch's load_state_dict uses, which native Lightning shows for a full checkpoint.
@@ -168,7 +175,7 @@ def loadable_keys(
     if strict and unexpected:
         problems.append(f"Unexpected key(s) in state_dict: {_listing(unexpected)}.")
     if problems:
-        hint = "" if mis_shaped else "\nSet `strict_loading = False` on the LightningModule to load the keys both have."
+        hint = "" if mis_shaped else f"\n{leniency}"
         raise RuntimeError(
             f"The checkpoint {str(path)!r} does not fit this model. Error(s) in loading state_dict:\n\t"
             + "\n\t".join(problems) + hint

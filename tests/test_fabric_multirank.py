@@ -191,6 +191,26 @@ def test_load_raw_puts_full_weights_into_the_sharded_model(fabric_reference, tmp
     assert_ranks_identical(ref / "out", f"epoch{RESUME_EPOCH}", tmp_path / "out", "start", parts=["params"])
 
 
+@pytest.mark.parametrize("how", ["--load-raw", "--load-model"])
+def test_not_strict_loads_old_weights_into_a_grown_model(fabric_reference, tmp_path, how):
+    """``load_raw`` of a state dict, and ``load`` of a full checkpoint's model, into a model with a layer more: the
+    weights both have come from the file, the new layer keeps its own."""
+    ref = fabric_reference("full")
+    source = ref / "ckpt" / RESUME
+    if how == "--load-raw":
+        source = tmp_path / "weights.pt"
+        torch.save(load(ref / "ckpt" / RESUME)["model"], source)
+    fresh, run = tmp_path / "fresh", tmp_path / "loaded"
+    fabric_worker(fresh, *fabric_config(fresh, "sharded"), "--epochs", 0, "--grown")
+    fabric_worker(run, *fabric_config(run, "sharded"), "--epochs", 0, "--grown", how, source, "--strict", 0)
+    saved = load(ref / "out" / f"full_epoch{RESUME_EPOCH}.pt")["params"]
+    before, after = load(fresh / "out" / "full_start.pt")["params"], load(run / "out" / "full_start.pt")["params"]
+    grown = set(after) - set(saved)
+    assert grown and set(saved) < set(after)
+    assert_identical(saved, {name: after[name] for name in saved}, "the weights the file holds")
+    assert_identical({name: before[name] for name in grown}, {name: after[name] for name in grown}, "the new layer")
+
+
 def test_filter_keeps_only_the_selected_entries_of_a_full_save(fabric_reference, tmp_path):
     fabric_worker(tmp_path, *fabric_config(tmp_path, "full"), "--epochs", 1, "--filter")
     saved = load(tmp_path / "ckpt" / "epoch=0.ckpt")
@@ -276,11 +296,80 @@ def test_load_raw_of_a_sharded_checkpoint_is_refused(refusals):
                     " the full state dict: ")
 
 
-def test_full_save_onto_a_directory_is_refused(refusals):
-    """A directory holding something that is no checkpoint. (Native refuses an empty one too; the shim's saves
-    may replace an empty directory, as its Trainer saves do.)"""
-    _assert_refused(refusals, "full", "save-full-onto-directory", "IsADirectoryError",
-                    "The checkpoint path exists and is a directory: ")
+@pytest.mark.parametrize("call", ["save-full-onto-directory", "save-full-onto-empty-directory"])
+def test_full_save_onto_a_directory_is_refused(refusals, call):
+    """A directory holding something that is no checkpoint, and an empty one, as native refuses both."""
+    _assert_refused(refusals, "full", call, "IsADirectoryError", "The checkpoint path exists and is a directory: ")
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_load_raw_of_a_missing_path_is_refused_in_natives_words(refusals, state_dict_type):
+    _assert_refused(refusals, state_dict_type, "load-raw-missing-path", "ValueError",
+                    "Failed to load checkpoint directly into the model. The given path must be a single file containing"
+                    " the full state dict: ")
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_a_checkpoint_io_plugin_is_refused(refusals, state_dict_type):
+    """Fabric 2.0.x accepted one and never used it."""
+    _assert_refused(refusals, state_dict_type, "set-checkpoint-io", "NotImplementedError",
+                    "The `FSDPStrategy` does not support setting a `CheckpointIO` plugin.")
+
+
+# --- every kind of entry in the state -------------------------------------------------------------------------
+
+MODULE_BESIDE_BUG = (
+    f"native Lightning {VERSION}: a module without FSDP units beside the FSDP one is saved with the shards, and a"
+    " sharded load looks for it in meta.pt only (KeyError)"
+)
+
+
+@pytest.fixture(scope="module")
+def more_entries(tmp_path_factory):
+    """Per ``state_dict_type``: a run that saves a plain module, a list, a nested dict, a tuple and a tensor beside
+    the model after epoch 0, and a load of that checkpoint into fresh ones in new processes."""
+    runs = {}
+
+    def get(state_dict_type: str):
+        if state_dict_type not in runs:
+            ref, run = (tmp_path_factory.mktemp(f"fabric-{name}-{state_dict_type}") for name in ("entries", "entries-loaded"))
+            fabric_worker(ref, *fabric_config(ref, state_dict_type), "--epochs", 1, "--more-entries")
+            fabric_worker(run, *fabric_config(run, state_dict_type), "--epochs", 1, "--more-entries",
+                          "--resume", ref / "ckpt" / RESUME)
+            runs[state_dict_type] = ref, run
+        return runs[state_dict_type]
+
+    return get
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_every_kind_of_entry_comes_back(more_entries, state_dict_type):
+    """The plain module is restored in place, bit for bit; lists, dicts, tuples and tensors come back into the
+    caller's dict with their type and value (2.0.x's unwrapping copies collections, which were not written back)."""
+    if NATIVE and state_dict_type == "sharded":
+        pytest.skip(MODULE_BESIDE_BUG)
+    ref, run = more_entries(state_dict_type)
+    for rank in (0, 1):
+        saved, loaded = info(ref / "out", f"epoch{RESUME_EPOCH}", rank), info(run / "out", "start", rank)
+        assert loaded["more_entries"] == saved["more_entries"], f"rank {rank}"
+        assert loaded["ema_in_place"], f"rank {rank}: the module was replaced, not restored in place"
+    assert info(run / "out", "start")["more_entries"] != info(ref / "out", "start")["more_entries"], "nothing to restore"
+
+
+def test_not_strict_resumes_from_a_filtered_full_save(tmp_path):
+    """Only the weights were saved (``filter=``, the trainable-parameters idiom), the optimizer whole: they load,
+    the biases keep their values, and the optimizer state is the saved run's."""
+    saved, run = tmp_path / "filtered", tmp_path / "resumed"
+    fabric_worker(saved, *fabric_config(saved, "full"), "--epochs", 1, "--filter")
+    fabric_worker(run, *fabric_config(run, "full"), "--epochs", 1, "--resume", saved / "ckpt" / RESUME, "--strict", 0)
+    at_save, fresh = load(saved / "out" / f"full_epoch{RESUME_EPOCH}.pt"), load(saved / "out" / "full_start.pt")
+    loaded = load(run / "out" / "full_start.pt")
+    weights = {name for name in loaded["params"] if "weight" in name}
+    assert weights and len(weights) < len(loaded["params"])
+    assert_identical({n: at_save["params"][n] for n in weights}, {n: loaded["params"][n] for n in weights}, "saved weights")
+    rest = set(loaded["params"]) - weights
+    assert_identical({n: fresh["params"][n] for n in rest}, {n: loaded["params"][n] for n in rest}, "biases not saved")
+    assert_identical(at_save["optim"], loaded["optim"], "optimizer state")
 
 
 # --- a rank killed while saving ------------------------------------------------------------------------------

@@ -67,6 +67,25 @@ def test_load_raw_with_another_strategy_loads_the_state_dict(fabric, tmp_path):
     assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
 
 
+def test_load_raw_with_ddp_loads_the_modules_own_state_dict(tmp_path, process_group):
+    """DDP's wrapper adds ``module.`` to every name; a raw state dict is the module's own, read by the strategy's
+    CheckpointIO."""
+    saved = torch.nn.Linear(3, 2)
+    torch.save(saved.state_dict(), tmp_path / "raw.pt")
+    fabric = _fabric_module("fabric").Fabric(accelerator="cpu", devices=1, strategy="ddp")
+    fabric.launch()
+    model = fabric.setup_module(torch.nn.Linear(3, 2))
+    fabric.load_raw(tmp_path / "raw.pt", model)
+    assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
+
+
+def test_not_strict_advice_names_fabrics_argument(tmp_path):
+    from lightning_fsdp_resume import _verify
+
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: b\.\nPass `strict=False` to load the keys both have\.$"):
+        _verify.loadable_keys(tmp_path, {"a": (1,), "b": (2,)}, {"a": (1,)}, strict=True, leniency=_verify.FABRIC_LENIENCY)
+
+
 class TestStrategyRefusals:
     """The native errors that need no FSDP module, raised by the strategy itself in one process."""
 
@@ -92,6 +111,16 @@ class TestStrategyRefusals:
         with pytest.raises(NotImplementedError, match="^Loading a single optimizer object from a checkpoint is not supported"):
             strategy.load_checkpoint(tmp_path / "x.ckpt", optimizer)
 
-    def test_load_raw_of_a_missing_path_says_it_is_not_a_checkpoint(self, strategy, tmp_path):
-        with pytest.raises(ValueError, match=r"'.*nowhere' does not point to a valid checkpoint: it does not exist"):
+    def test_load_raw_of_a_missing_path_says_so_in_natives_words(self, strategy, tmp_path):
+        words = "Failed to load checkpoint directly into the model. The given path must be a single file containing the full state dict"
+        with pytest.raises(FileNotFoundError, match=rf"^{words}: .*nowhere\. It does not exist\.$"):
             strategy.load_checkpoint(tmp_path / "nowhere", torch.nn.Linear(2, 2))
+
+    def test_a_missing_model_entry_is_refused_even_when_not_strict_and_says_why(self, tmp_path):
+        from lightning_fsdp_resume import _fabric
+
+        torch.save({"net": {}, "step": 1}, tmp_path / "other.ckpt")
+        with pytest.raises(KeyError, match=r"a key 'model' that does not exist.*needed even with `strict=False`"):
+            _fabric._checked(tmp_path / "other.ckpt", "model", ["step"], strict=False)
+        with pytest.raises(KeyError, match=r"a key 'model' that does not exist.* To disable strict loading, set `strict=False`"):
+            _fabric._checked(tmp_path / "other.ckpt", "model", ["step"], strict=True)

@@ -54,6 +54,15 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
+class GrownNet(Net):
+    """``Net`` grown by a layer since a checkpoint was saved (``--grown``): it has weights no checkpoint holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(2, 2)  # in the root FSDP unit, beside head
+        self.register_buffer("scale", torch.full((2,), 3.0))  # not a parameter: FSDP does not shard it
+
+
 def batches(rank: int, world_size: int):
     """The same 64 samples every epoch; each global batch of BATCH per rank is split among the ranks."""
     generator = torch.Generator().manual_seed(1234)
@@ -88,29 +97,51 @@ class Run:
         # Needed under torchrun too: it joins the process group, and Fabric 2.1+ refuses setup_module without it.
         self.fabric.launch()
         torch.manual_seed(0)  # every rank builds the same model, which FSDP then shards
-        self.model = self.fabric.setup_module(Net())
+        self.model = self.fabric.setup_module((GrownNet if args.grown else Net)())
         self.optimizer = self.fabric.setup_optimizers(torch.optim.Adam(self.model.parameters(), lr=LR))
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=GAMMA)
         self.epoch, self.step, self.loss = -1, 0, None
+        # --more-entries: a module without FSDP units (an EMA copy, say) and plain values of other kinds, the
+        # same on every rank; each epoch changes them
+        torch.manual_seed(1)
+        self.ema = nn.Linear(3, 2)
+        self.history, self.notes, self.pair, self.offset = [], {}, (), torch.zeros(2)
+
+    def more_entries(self) -> dict:
+        return {"ema": self.ema, "history": self.history, "notes": self.notes, "pair": self.pair, "offset": self.offset}
+
+    def more_entries_record(self) -> dict:
+        """The extra entries as the tests compare them, with the type of each plain value."""
+        plain = {key: value for key, value in self.more_entries().items() if key != "ema"}
+        return {
+            "ema": {name: value.tolist() for name, value in self.ema.state_dict().items()},
+            **{key: [type(value).__name__, value.tolist() if torch.is_tensor(value) else value] for key, value in plain.items()},
+        }
 
     def state(self) -> dict:
         """What each save writes; a load never asks for ``loss`` and ``world_size``, which fabric.load returns."""
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "epoch": self.epoch,
-                "step": self.step, "loss": self.loss, "world_size": self.fabric.world_size}
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "epoch": self.epoch,
+                 "step": self.step, "loss": self.loss, "world_size": self.fabric.world_size}
+        return {**state, **self.more_entries()} if self.args.more_entries else state
 
     def resume(self, path: Path) -> dict:
         """``fabric.load`` into a state that asks for all but UNREQUESTED; what the tests read of it."""
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "epoch": None, "step": None}
         if self.args.request_missing:
             state[MISSING_KEY] = MISSING_DEFAULT
+        if self.args.more_entries:
+            state.update(self.more_entries())
         remainder = self.fabric.load(path, state, strict=bool(self.args.strict))
         self.epoch, self.step = state["epoch"], state["step"]
+        if self.args.more_entries:
+            self.history, self.notes, self.pair, self.offset = (state[key] for key in ("history", "notes", "pair", "offset"))
         return {
             "remainder": dict(remainder),
             # native Lightning 2.1+ puts a sharded checkpoint's scheduler state in place of the scheduler
             "scheduler_type": type(state["scheduler"]).__name__,
             "scheduler_in_place": state["scheduler"] is self.scheduler,
             MISSING_KEY: state.get(MISSING_KEY),
+            "ema_in_place": state.get("ema") is self.ema,
         }
 
     def train_epoch(self) -> None:
@@ -123,6 +154,12 @@ class Run:
             self.step += 1
             self.loss = loss.item()
         self.scheduler.step()
+        with torch.no_grad():
+            self.ema.weight.mul_(0.5).add_(self.step)
+        self.history.append(self.step)
+        self.notes = {"epochs": {"seen": list(range(self.epoch + 1))}, "lr": LR}
+        self.pair = (self.epoch, self.step)
+        self.offset = self.offset + self.step / 3
 
     def record(self, name: str, **info) -> None:
         root, optimizer = fsdp_root(self.model), self.optimizer.optimizer  # Fabric's wrappers left out
@@ -133,6 +170,8 @@ class Run:
                 "last_lr": self.scheduler.get_last_lr(),
                 # what the optimizer Fabric returned shows, which the scheduler steps
                 "fabric_optimizer_lr": [group["lr"] for group in self.optimizer.param_groups], **info}
+        if self.args.more_entries:
+            info["more_entries"] = self.more_entries_record()
         states.write(self.args.out, name, self.fabric.global_rank, local, info, full)
 
     def save_filter(self):
@@ -145,7 +184,9 @@ def train(run: Run, args) -> None:
     if args.resume:
         info = run.resume(args.resume)
     elif args.load_raw:
-        run.fabric.load_raw(args.load_raw, run.model)
+        run.fabric.load_raw(args.load_raw, run.model, strict=bool(args.strict))
+    elif args.load_model:
+        run.fabric.load(args.load_model, {"model": run.model}, strict=bool(args.strict))
     run.record("start", **info)
     while run.epoch + 1 < args.epochs:
         run.train_epoch()
@@ -186,6 +227,10 @@ def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
         calls["load-raw-sharded"] = lambda: fabric.load_raw(checkpoint, model)
     else:
         calls["save-full-onto-directory"] = lambda: fabric.save(scratch / "plain-dir", {"model": model})
+        calls["save-full-onto-empty-directory"] = lambda: fabric.save(scratch / "empty-dir", {"model": model})
+    calls["load-raw-missing-path"] = lambda: fabric.load_raw(scratch / "does-not-exist.pt", model)
+    checkpoint_io = FABRIC_UNDER_TEST.module("plugins").TorchCheckpointIO()
+    calls["set-checkpoint-io"] = lambda: setattr(fabric.strategy, "checkpoint_io", checkpoint_io)  # as Fabric(plugins=[...]) does
     raised = {}
     for name, call in calls.items():
         try:
@@ -208,7 +253,11 @@ def main() -> None:
     parser.add_argument("--strict", type=int, default=1, help="fabric.load(..., strict=)")
     parser.add_argument("--request-missing", action="store_true", help=f"ask the load for {MISSING_KEY!r} too")
     parser.add_argument("--load-raw", type=Path, default=None, help="fabric.load_raw this model state dict first")
+    parser.add_argument("--load-model", type=Path, default=None, help="fabric.load this checkpoint's model alone first")
+    parser.add_argument("--grown", action="store_true", help="train a model with one more layer than Net")
     parser.add_argument("--filter", action="store_true", help="save only the model's weights (fabric.save filter=)")
+    parser.add_argument("--more-entries", action="store_true",
+                        help="save and load a plain module, a list, a nested dict, a tuple and a tensor besides")
     parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see faults.kill_during_saves")
     parser.add_argument("--errors", type=Path, default=None, help="make the refused calls, with this checkpoint")
     args = parser.parse_args()
