@@ -12,6 +12,7 @@ failed to load the model and silently gave every rank rank 0's optimizer shard.
 import functools
 import importlib
 import inspect
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
@@ -67,10 +68,13 @@ def save_checkpoint(
         _saving.write_sharded(self, path, stored, metadata)
 
 
-def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True) -> Dict[str, Any]:
+def load_checkpoint(
+    self: Any, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None,
+) -> Dict[str, Any]:
     """Restore the module and optimizers of ``state`` into their shards, other stateful entries in place and
     plain values by key; returns what the checkpoint holds beyond ``state``. ``state`` may be a module alone
-    (``Fabric.load_raw``): its weights from a full file."""
+    (``Fabric.load_raw``): its weights from a full file. ``weights_only`` (Fabric 2.6's): how ``meta.pt`` or
+    the full file is unpickled; None: as every full-trust Lightning checkpoint, not weights only."""
     from torch.nn import Module
     from torch.optim import Optimizer
 
@@ -81,7 +85,7 @@ def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True
             " reload is required. Pass it in like so: FSDPStrategy.load_checkpoint(..., state={'model': model, ...})"
         )
     if isinstance(state, Module):
-        _load_raw_module(self, path, state, strict)
+        _load_raw_module(self, path, state, strict, bool(weights_only))
         return {}
     if isinstance(state, Optimizer):
         raise NotImplementedError(
@@ -112,14 +116,14 @@ def load_checkpoint(self: Any, path: Any, state: Any = None, strict: bool = True
     def take(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         return {key: checkpoint.pop(key) for key in [module_key, *optimizer_keys, *module_keys] if key in checkpoint}
 
-    remainder = _loading.load(self, path, check, plan, take)
+    remainder = _loading.load(self, path, check, plan, take, weights_only=bool(weights_only))
     for key in other_keys:
         if key in remainder:
             _put(state, key, remainder.pop(key))
     return remainder
 
 
-def _load_raw_module(self: Any, path: Any, module: Any, strict: bool) -> None:
+def _load_raw_module(self: Any, path: Any, module: Any, strict: bool, weights_only: bool) -> None:
     """``Fabric.load_raw(path, module)``: a file holding the module's state dict, loaded into its shards."""
 
     def plan(path: Path, saved_optimizers: int, _: Any) -> _loading.Restore:
@@ -128,14 +132,14 @@ def _load_raw_module(self: Any, path: Any, module: Any, strict: bool) -> None:
             leniency=_verify.FABRIC_LENIENCY,
         )
 
-    _loading.load(self, path, _checked_raw, plan, lambda checkpoint: {"": checkpoint})
+    _loading.load(self, path, _checked_raw, plan, lambda checkpoint: {"": checkpoint}, weights_only=weights_only)
 
 
-def _checked_raw(path: Path) -> Tuple[_format.StateDictType, None]:
+def _checked_raw(path: Path, weights_only: bool) -> Tuple[_format.StateDictType, None]:
     """Rank 0: ``load_raw`` takes one file of a module's state dict."""
     refusal = "Failed to load checkpoint directly into the model. The given path must be a single file containing the full state dict"
     try:
-        kind, _ = _loading.checked_kind(path)
+        kind, _ = _loading.checked_kind(path, weights_only)
     except _verify.MissingCheckpointError as missing:
         raise _verify.MissingCheckpointError(f"{refusal}: {path}. It does not exist.") from missing
     if kind != _format.FULL:
@@ -146,10 +150,12 @@ def _checked_raw(path: Path) -> Tuple[_format.StateDictType, None]:
     return kind, None
 
 
-def _checked(path: Path, module_key: str, requested: List[str], strict: bool) -> Tuple[_format.StateDictType, Set[str]]:
+def _checked(
+    path: Path, weights_only: bool, module_key: str, requested: List[str], strict: bool,
+) -> Tuple[_format.StateDictType, Set[str]]:
     """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
-    kind = _verify.checkpoint_kind(path)
-    entries = _verify.checkpoint_entries(path, kind)
+    kind = _verify.checkpoint_kind(path, weights_only)
+    entries = _verify.checkpoint_entries(path, kind, weights_only)
     missing = [key for key in [module_key, *requested] if key not in entries]
     if module_key in missing or (strict and missing):
         advice = (
@@ -159,6 +165,11 @@ def _checked(path: Path, module_key: str, requested: List[str], strict: bool) ->
         raise KeyError(
             f"The requested state contains a key '{missing[0]}' that does not exist in the loaded checkpoint."
             f" {advice} (Checkpoint: {str(path)!r}, which holds {', '.join(sorted(entries))}.)"
+        )
+    if missing:  # strict=False: said once, on rank 0; an optimizer left as it is resumes from a fresh state
+        warnings.warn(
+            f"fabric.load(strict=False): the checkpoint {str(path)!r} holds no {', '.join(map(repr, missing))}; left as"
+            f" {'it is' if len(missing) == 1 else 'they are'}."
         )
     return kind, entries
 
@@ -261,14 +272,15 @@ def wrap_load(original_load: Callable) -> Callable:
     strategy the wrapped module; non-stateful entries of ``state`` are updated in the caller's dict."""
 
     @functools.wraps(original_load)
-    def load(self: Any, path: Any, state: Optional[Dict[str, Any]] = None, strict: bool = True) -> Dict[str, Any]:
+    def load(
+        self: Any, path: Any, state: Optional[Dict[str, Any]] = None, strict: bool = True, *, weights_only: Optional[bool] = None,
+    ) -> Dict[str, Any]:
         if not _takes(self._strategy.load_checkpoint, "strict"):
-            if not strict:
-                raise NotImplementedError(_only_fsdp(self, "load(..., strict=False)"))
+            _refuse_new_arguments(self, "load", strict, weights_only)
             return original_load(self, path, state)
         unwrapped = _unwrap(self, state)
         given = dict(unwrapped or {})
-        remainder = self._strategy.load_checkpoint(path=path, state=unwrapped, strict=strict)
+        remainder = self._strategy.load_checkpoint(path=path, state=unwrapped, strict=strict, weights_only=weights_only)
         self.barrier()
         if state is not None:
             # Unwrapping made a new dict (and new lists, dicts and tuples in it): every value the load put
@@ -280,16 +292,18 @@ def wrap_load(original_load: Callable) -> Callable:
                     _refresh_wrapper(state[key])
         return remainder
 
-    load.__signature__ = _signature.with_keyword(original_load, "strict", True, bool)  # type: ignore[attr-defined]
+    with_strict = _signature.with_keyword(original_load, "strict", True, bool)
+    load.__signature__ = _signature.with_keyword(with_strict, "weights_only", None, Optional[bool], keyword_only=True)  # type: ignore[attr-defined]
     return load
 
 
-def load_raw(self: Any, path: Any, obj: Any, strict: bool = True) -> None:
+def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_only: Optional[bool] = None) -> None:
     """``Fabric.load_raw``: a module's or optimizer's own state dict from one file (saved without Fabric)."""
     wrapper, obj = obj, _unwrap(self, obj)
     if _takes(self._strategy.load_checkpoint, "strict"):
-        self._strategy.load_checkpoint(path=path, state=obj, strict=strict)
+        self._strategy.load_checkpoint(path=path, state=obj, strict=strict, weights_only=weights_only)
         return
+    _refuse_new_arguments(self, "load_raw", True, weights_only)
     from torch.nn import Module
     from torch.nn.parallel import DistributedDataParallel
 
@@ -314,6 +328,14 @@ def _check_filter(filter: Any, state: Dict[str, Any]) -> None:
     for key, keep in filter.items():
         if not callable(keep):
             raise TypeError(f"Expected `fabric.save(filter=...)` for key {key!r} to be a callable, given {keep!r}")
+
+
+def _refuse_new_arguments(fabric: Any, method: str, strict: bool, weights_only: Optional[bool]) -> None:
+    """A strategy other than the patched FSDP one loads as 2.0.x does: it has neither argument."""
+    if not strict:
+        raise NotImplementedError(_only_fsdp(fabric, f"{method}(..., strict=False)"))
+    if weights_only is not None:
+        raise NotImplementedError(_only_fsdp(fabric, f"{method}(..., weights_only=...)"))
 
 
 def _takes(method: Callable, argument: str) -> bool:

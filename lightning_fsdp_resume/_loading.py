@@ -31,30 +31,33 @@ class Restore(NamedTuple):
     modules: Mapping[str, Any] = {}
 
 
-# rank 0's verdict on a path: the checkpoint's kind and whatever else the strategy checked
-Check = Callable[[Path], Tuple[_format.StateDictType, Any]]
+# rank 0's verdict on a path (and weights_only): the checkpoint's kind and whatever else the strategy checked
+Check = Callable[[Path, bool], Tuple[_format.StateDictType, Any]]
 # (path, the number of optimizer states the checkpoint holds, the rest of rank 0's verdict) -> what to load
 Plan = Callable[[Path, int, Any], Restore]
 # a full file's module and optimizer entries, taken out of it under the keys a sharded checkpoint stores them by
 Take = Callable[[Dict[str, Any]], Dict[str, Any]]
 
 
-def load(strategy: Any, path: Any, check: Check, plan: Plan, take: Take, required: Optional[str] = None) -> Dict[str, Any]:
+def load(
+    strategy: Any, path: Any, check: Check, plan: Plan, take: Take, required: Optional[str] = None, weights_only: bool = False,
+) -> Dict[str, Any]:
     """Load the checkpoint at ``path`` into the module and optimizers that ``plan`` names; returns the rest of
     the checkpoint (a sharded one's ``meta.pt``, a full file less what ``take`` took; ``required``: an entry
-    the full file must have).
+    the full file must have). ``weights_only``: unpickle ``meta.pt`` or the full file as ``torch.load`` does
+    with it (the shards are read by ``torch.distributed.checkpoint``).
 
     Every rank loads what rank 0 names, so all shards come from one checkpoint; rank 0 checks the files
     before anything is loaded and every rank raises its verdict, so none waits in a collective.
     """
     path = Path(broadcast(strategy, str(path)))
-    kind, verdict = decided_on_rank_zero(strategy, check, path)
+    kind, verdict = decided_on_rank_zero(strategy, check, path, weights_only)
     if kind == _format.SHARDED:
         shards = compat.read_shard_index(path)
         restore = plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
         load_sharded(path, restore, shards)
-        return _verify.read_meta(path)
-    checkpoint = _verify.read_full(path, required)
+        return _verify.read_meta(path, weights_only)
+    checkpoint = _verify.read_full(path, required, weights_only)
     stored = take(checkpoint)
     restore = plan(path, _format.count_saved_optimizers(stored), verdict)
     optimizer_states = {key: stored[key] for key in restore.optimizers}
@@ -63,9 +66,9 @@ def load(strategy: Any, path: Any, check: Check, plan: Plan, take: Take, require
     return checkpoint
 
 
-def checked_kind(path: Path) -> Tuple[_format.StateDictType, None]:
+def checked_kind(path: Path, weights_only: bool) -> Tuple[_format.StateDictType, None]:
     """A ``Check`` that asks only for a complete checkpoint."""
-    return _verify.checkpoint_kind(path), None
+    return _verify.checkpoint_kind(path, weights_only), None
 
 
 def load_sharded(path: Path, restore: Restore, shards: Any) -> None:

@@ -27,14 +27,15 @@ def wrap_init(original_init: Callable, default: StateDictType, old_torch_error: 
     return __init__
 
 
-def with_keyword(original: Callable, name: str, default: Any, annotation: Any) -> inspect.Signature:
-    """``original``'s signature plus the parameter ``name``: keyword-only before ``**kwargs`` where it has them
-    (the wrapper takes it by keyword and passes the rest on), else last and positional too."""
-    signature = inspect.signature(original)
+def with_keyword(original: Any, name: str, default: Any, annotation: Any, keyword_only: bool = False) -> inspect.Signature:
+    """``original``'s signature (or ``original`` itself, a signature) plus the parameter ``name``: keyword-only
+    before ``**kwargs`` where it has them (the wrapper takes it by keyword and passes the rest on), or when
+    asked, else last and positional too."""
+    signature = original if isinstance(original, inspect.Signature) else inspect.signature(original)
     parameters = [p for p in signature.parameters.values() if p.name != name]
     at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if at is None else inspect.Parameter.KEYWORD_ONLY
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+    if keyword_only or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
         kind = inspect.Parameter.KEYWORD_ONLY
     at = len(parameters) if at is None else at
     added = inspect.Parameter(name, kind, default=default, annotation=annotation)

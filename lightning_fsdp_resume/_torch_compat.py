@@ -311,23 +311,24 @@ def _run_dcp(verb: str, state: Dict[str, Any], one_process: bool = False, **kwar
             deprecated(state, no_dist=True, **kwargs)
 
 
-def load_file(path: Path, lazy: bool) -> Any:
-    """``torch.load`` a trusted Lightning checkpoint onto the CPU.
+def load_file(path: Path, lazy: bool, weights_only: bool = False) -> Any:
+    """``torch.load`` a Lightning checkpoint onto the CPU.
 
-    ``weights_only=False`` is explicit because torch 2.6 changed the default and Lightning checkpoints
-    hold more than tensors. ``lazy`` memory-maps the file where torch allows, so ranks share one copy.
+    ``weights_only=False`` by default, explicitly, because torch 2.6 changed the default and Lightning
+    checkpoints hold more than tensors; ``True`` for a file not trusted to unpickle. ``lazy`` memory-maps the
+    file where torch allows, so ranks share one copy.
     """
     import torch
 
     filename = str(path)  # torch 2.1/2.2 memory-map only a str filename, not a Path
     if lazy and torch_release() >= _LOAD_MMAP:
         try:
-            return torch.load(filename, map_location="cpu", weights_only=False, mmap=True)
+            return torch.load(filename, map_location="cpu", weights_only=weights_only, mmap=True)
         except RuntimeError as error:
             # Files in torch's legacy (pre-zip) format cannot be memory-mapped; read them whole.
             if "mmap" not in str(error):
                 raise
-    return torch.load(filename, map_location="cpu", weights_only=False)
+    return torch.load(filename, map_location="cpu", weights_only=weights_only)
 
 
 def save_file(obj: Any, path: Path) -> None:

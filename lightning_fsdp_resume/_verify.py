@@ -21,15 +21,16 @@ def not_a_checkpoint(path: Path) -> str:
     return f"The path {str(path)!r} does not point to a valid checkpoint"
 
 
-def checkpoint_kind(path: Path) -> _format.StateDictType:
-    """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise."""
+def checkpoint_kind(path: Path, weights_only: bool = False) -> _format.StateDictType:
+    """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise. ``weights_only``: how
+    ``meta.pt`` may be unpickled."""
     if not path.exists():
         raise MissingCheckpointError(_missing(path))
     if path.is_file():
         if path.stat().st_size == 0:
             raise ValueError(f"The checkpoint file {str(path)!r} is empty. Resume from another checkpoint.")
         return FULL
-    _check_sharded(path)
+    _check_sharded(path, weights_only)
     return SHARDED
 
 
@@ -44,7 +45,7 @@ def _missing(path: Path) -> str:
     return message
 
 
-def _check_sharded(path: Path) -> None:
+def _check_sharded(path: Path, weights_only: bool) -> None:
     meta, index = path / _format.METADATA_FILENAME, path / _INDEX
     incomplete = " Its save did not finish or it was damaged; resume from another checkpoint."
     if not any(path.iterdir()):
@@ -69,32 +70,31 @@ def _check_sharded(path: Path) -> None:
         size = shard.stat().st_size
         if size < needed:
             raise ValueError(f"The shard file {str(shard)!r} is truncated: {size} bytes, {needed} expected." + incomplete)
-    read_meta(path)
+    read_meta(path, weights_only)
 
 
-def read_meta(path: Path) -> Dict[str, Any]:
+def read_meta(path: Path, weights_only: bool = False) -> Dict[str, Any]:
     """A sharded checkpoint's ``meta.pt``: everything but the model and optimizer states."""
     meta = path / _format.METADATA_FILENAME
     try:
-        content = compat.load_file(meta, lazy=False)
+        content = compat.load_file(meta, lazy=False, weights_only=weights_only)
     except Exception as error:
-        raise ValueError(
-            f"{str(meta)!r} cannot be read ({_describe(error)}). The checkpoint is damaged; resume from another one."
-        ) from error
+        cause = _weights_only_refusal(error, weights_only) or "The checkpoint is damaged; resume from another one."
+        raise ValueError(f"{str(meta)!r} cannot be read ({_describe(error)}). {cause}") from error
     if not isinstance(content, dict):
         raise ValueError(f"{str(meta)!r} holds a {type(content).__name__}, not a checkpoint's metadata dict.")
     return content
 
 
-def read_full(path: Path, required: Optional[str] = "state_dict") -> Dict[str, Any]:
+def read_full(path: Path, required: Optional[str] = "state_dict", weights_only: bool = False) -> Dict[str, Any]:
     """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have."""
     try:
-        checkpoint = compat.load_file(path, lazy=True)
+        checkpoint = compat.load_file(path, lazy=True, weights_only=weights_only)
     except Exception as error:
-        raise ValueError(
-            f"The file {str(path)!r} is not a checkpoint torch can read ({_describe(error)}). Pass a checkpoint"
-            " written by `Trainer.save_checkpoint`, `ModelCheckpoint` or `Fabric.save`."
-        ) from error
+        cause = _weights_only_refusal(error, weights_only) or (
+            "Pass a checkpoint written by `Trainer.save_checkpoint`, `ModelCheckpoint` or `Fabric.save`."
+        )
+        raise ValueError(f"The file {str(path)!r} is not a checkpoint torch can read ({_describe(error)}). {cause}") from error
     if not isinstance(checkpoint, dict):
         raise ValueError(f"The file {str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint's dict.")
     if required is not None and required not in checkpoint:
@@ -105,18 +105,28 @@ def read_full(path: Path, required: Optional[str] = "state_dict") -> Dict[str, A
     return checkpoint
 
 
-def checkpoint_entries(path: Path, kind: str) -> Set[Any]:
+def checkpoint_entries(path: Path, kind: str, weights_only: bool = False) -> Set[Any]:
     """The top-level entries of a complete checkpoint: a full file's keys; a sharded one's stored objects
     (modules and optimizers, from its index) and the keys of its ``meta.pt``."""
     if kind == FULL:
-        return set(read_full(path, required=None))
+        return set(read_full(path, required=None, weights_only=weights_only))
     shards = compat.read_shard_index(path)
     paths = getattr(shards, "planner_data", None) or {}
     if paths:  # each flattened key's path of nested keys, from the saved dict down
         stored = {nested[0] for nested in paths.values() if nested}
     else:
         stored = {key.partition(".")[0] for key in shards.state_dict_metadata}
-    return stored | set(read_meta(path))
+    return stored | set(read_meta(path, weights_only))
+
+
+def _weights_only_refusal(error: BaseException, weights_only: bool) -> str:
+    """What to do when ``weights_only=True`` is why torch refused the file; ``""`` otherwise."""
+    if not weights_only or "weights_only" not in str(error):
+        return ""
+    return (
+        "It was read with `weights_only=True`, which unpickles tensors and plain values only: load it with"
+        " `weights_only=False` if you trust the file."
+    )
 
 
 def _bytes_needed(shards: Any) -> Dict[str, int]:

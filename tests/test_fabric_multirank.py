@@ -5,6 +5,7 @@ Each test names one behaviour of native Fabric 2.1.4, which the shim gives Fabri
 new processes, so that two epochs run after it (the learning-rate scheduler steps in between), and every
 rank's parameter shards and optimizer state must equal the uninterrupted run's bit for bit.
 """
+import inspect
 import re
 from pathlib import Path
 
@@ -209,6 +210,18 @@ def test_not_strict_loads_old_weights_into_a_grown_model(fabric_reference, tmp_p
     assert grown and set(saved) < set(after)
     assert_identical(saved, {name: after[name] for name in saved}, "the weights the file holds")
     assert_identical({name: before[name] for name in grown}, {name: after[name] for name in grown}, "the new layer")
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_weights_only_loads_a_checkpoint_of_plain_values(fabric_reference, tmp_path, state_dict_type):
+    """``fabric.load(..., weights_only=True)`` (Fabric 2.6.1's keyword): the checkpoints hold tensors and plain
+    values only, so it resumes as exactly as without."""
+    if "weights_only" not in inspect.signature(FABRIC_UNDER_TEST.module().Fabric.load).parameters:
+        pytest.skip(f"native Lightning {VERSION}: Fabric.load has no weights_only (new in 2.6.1)")
+    ref = fabric_reference(state_dict_type)
+    fabric_worker(tmp_path, *fabric_config(tmp_path, state_dict_type), "--epochs", EPOCHS, "--resume", ref / "ckpt" / RESUME,
+                  "--weights-only")
+    _assert_resumed_exactly(ref, tmp_path)
 
 
 def test_filter_keeps_only_the_selected_entries_of_a_full_save(fabric_reference, tmp_path):

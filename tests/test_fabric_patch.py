@@ -1,5 +1,6 @@
 """Fabric's patched classes in one process: signatures, argument checks, native errors, and the strategies
 the new arguments do not reach. The multi-rank behaviour is in test_fabric_multirank.py."""
+import functools
 import importlib
 import inspect
 
@@ -29,7 +30,11 @@ def test_signatures_list_the_new_arguments(package):
     strategy = importlib.import_module(f"{package}.strategies.fsdp").FSDPStrategy
     assert inspect.signature(fabric.save).parameters["filter"].default is None
     assert inspect.signature(fabric.load).parameters["strict"].default is True
-    assert list(inspect.signature(fabric.load_raw).parameters) == ["self", "path", "obj", "strict"]
+    assert list(inspect.signature(fabric.load_raw).parameters) == ["self", "path", "obj", "strict", "weights_only"]
+    for method in (fabric.load, fabric.load_raw, strategy.load_checkpoint):
+        parameter = inspect.signature(method).parameters["weights_only"]
+        assert parameter.default is None
+    assert inspect.signature(fabric.load).parameters["weights_only"].kind == inspect.Parameter.KEYWORD_ONLY
     parameter = inspect.signature(strategy).parameters["state_dict_type"]
     assert (parameter.default, parameter.kind) == ("sharded", inspect.Parameter.KEYWORD_ONLY)
     assert strategy()._state_dict_type == "sharded" and strategy(state_dict_type="full")._state_dict_type == "full"
@@ -57,6 +62,8 @@ def test_other_strategies_keep_2_0_behaviour_and_refuse_the_new_arguments(fabric
         fabric.save(path, {"model": model}, filter={"model": lambda k, v: True})
     with pytest.raises(NotImplementedError, match=r"fabric.load\(..., strict=False\)` needs Lightning 2.1"):
         fabric.load(path, {"model": model}, strict=False)
+    with pytest.raises(NotImplementedError, match=r"fabric.load\(..., weights_only=...\)` needs Lightning 2.1"):
+        fabric.load(path, {"model": model}, weights_only=True)
 
 
 def test_load_raw_with_another_strategy_loads_the_state_dict(fabric, tmp_path):
@@ -77,6 +84,24 @@ def test_load_raw_with_ddp_loads_the_modules_own_state_dict(tmp_path, process_gr
     model = fabric.setup_module(torch.nn.Linear(3, 2))
     fabric.load_raw(tmp_path / "raw.pt", model)
     assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
+
+
+@pytest.mark.parametrize("kind", ["sharded meta.pt", "full file"])
+def test_weights_only_refuses_other_objects_and_says_what_to_do(tmp_path, kind):
+    from fractions import Fraction
+
+    from lightning_fsdp_resume import _verify
+
+    checkpoint = {"model": {"w": torch.ones(2)}, "ratio": Fraction(1, 3)}  # a value weights_only does not unpickle
+    if kind == "full file":
+        torch.save(checkpoint, tmp_path / "c.ckpt")
+        read = functools.partial(_verify.read_full, tmp_path / "c.ckpt", None)
+    else:
+        torch.save(checkpoint, tmp_path / "meta.pt")
+        read = functools.partial(_verify.read_meta, tmp_path)
+    with pytest.raises(ValueError, match=r"read with `weights_only=True`.*`weights_only=False` if you trust the file"):
+        read(weights_only=True)
+    assert read(weights_only=False)["ratio"] == Fraction(1, 3)
 
 
 def test_not_strict_advice_names_fabrics_argument(tmp_path):
@@ -121,6 +146,14 @@ class TestStrategyRefusals:
 
         torch.save({"net": {}, "step": 1}, tmp_path / "other.ckpt")
         with pytest.raises(KeyError, match=r"a key 'model' that does not exist.*needed even with `strict=False`"):
-            _fabric._checked(tmp_path / "other.ckpt", "model", ["step"], strict=False)
+            _fabric._checked(tmp_path / "other.ckpt", False, "model", ["step"], strict=False)
         with pytest.raises(KeyError, match=r"a key 'model' that does not exist.* To disable strict loading, set `strict=False`"):
-            _fabric._checked(tmp_path / "other.ckpt", "model", ["step"], strict=True)
+            _fabric._checked(tmp_path / "other.ckpt", False, "model", ["step"], strict=True)
+
+    def test_not_strict_says_which_requested_entries_the_checkpoint_lacks(self, tmp_path):
+        from lightning_fsdp_resume import _fabric
+
+        torch.save({"model": {}, "step": 1}, tmp_path / "c.ckpt")
+        with pytest.warns(UserWarning, match=r"strict=False\): the checkpoint .*c\.ckpt' holds no 'optimizer', 'ema'; left as they are"):
+            kind, entries = _fabric._checked(tmp_path / "c.ckpt", False, "model", ["optimizer", "ema", "step"], strict=False)
+        assert (kind, entries) == ("full", {"model", "step"})

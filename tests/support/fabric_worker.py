@@ -131,7 +131,8 @@ class Run:
             state[MISSING_KEY] = MISSING_DEFAULT
         if self.args.more_entries:
             state.update(self.more_entries())
-        remainder = self.fabric.load(path, state, strict=bool(self.args.strict))
+        weights_only = {"weights_only": True} if self.args.weights_only else {}
+        remainder = self.fabric.load(path, state, strict=bool(self.args.strict), **weights_only)
         self.epoch, self.step = state["epoch"], state["step"]
         if self.args.more_entries:
             self.history, self.notes, self.pair, self.offset = (state[key] for key in ("history", "notes", "pair", "offset"))
@@ -255,6 +256,7 @@ def main() -> None:
     parser.add_argument("--load-raw", type=Path, default=None, help="fabric.load_raw this model state dict first")
     parser.add_argument("--load-model", type=Path, default=None, help="fabric.load this checkpoint's model alone first")
     parser.add_argument("--grown", action="store_true", help="train a model with one more layer than Net")
+    parser.add_argument("--weights-only", action="store_true", help="fabric.load(..., weights_only=True)")
     parser.add_argument("--filter", action="store_true", help="save only the model's weights (fabric.save filter=)")
     parser.add_argument("--more-entries", action="store_true",
                         help="save and load a plain module, a list, a nested dict, a tuple and a tensor besides")
