@@ -103,6 +103,15 @@ class TestAtomicSaves:
                 save(path, 1, kind)
         assert [p.name for p in path.iterdir()] == ["notes.txt"] and _atomic.leftovers(tmp_path) == []
 
+    def test_a_full_save_refuses_an_empty_directory_and_a_sharded_one_takes_its_place(self, tmp_path):
+        path = tmp_path / "empty"
+        path.mkdir()
+        with pytest.raises(IsADirectoryError, match=r"^The checkpoint path exists and is a directory: .*empty\. "):
+            save(path, 1, "full")
+        assert path.is_dir() and not any(path.iterdir())
+        save(path, 1, "sharded")
+        assert saved_epoch(path) == 1 and _atomic.leftovers(tmp_path) == []
+
 
 def _damage(path: Path, how: str) -> None:
     shards = sorted(path.glob("*.distcp"))
