@@ -1,3 +1,4 @@
+import gc
 import json
 import os
 import sys
@@ -55,6 +56,7 @@ def process_group(tmp_path_factory):
     store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
+    gc.collect()  # modules that used the group (DDP, FSDP) and live on in reference cycles go first
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ import inspect
 import pytest
 import torch
 
+from lightning_fsdp_resume import _torch_compat as compat
 from support.flavours import PATCHABLE_FABRICS
 from support.marks import needs_patched_fabric
 
@@ -74,6 +75,9 @@ def test_load_raw_with_another_strategy_loads_the_state_dict(fabric, tmp_path):
     assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
 
 
+@pytest.mark.skipif(compat.torch_release() < compat.CPU_FSDP_MIN, reason=(
+    "torch < 2.2: destroying a gloo process group that served DDP in the test process hung once in CI (torch 2.1.2);"
+    " the unwrapping is the same on every torch"))
 def test_load_raw_with_ddp_loads_the_modules_own_state_dict(tmp_path, process_group):
     """DDP's wrapper adds ``module.`` to every name; a raw state dict is the module's own, read by the strategy's
     CheckpointIO."""
@@ -84,6 +88,7 @@ def test_load_raw_with_ddp_loads_the_modules_own_state_dict(tmp_path, process_gr
     model = fabric.setup_module(torch.nn.Linear(3, 2))
     fabric.load_raw(tmp_path / "raw.pt", model)
     assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
+    del fabric, model  # before the process group goes (the fixture collects what cycles keep)
 
 
 @pytest.mark.parametrize("kind", ["sharded meta.pt", "full file"])
