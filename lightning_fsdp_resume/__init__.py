@@ -13,7 +13,7 @@ import sys
 from typing import Dict, NamedTuple, Optional, Set, Tuple
 
 from ._patcher import NotOutermostError, Patcher
-from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
+from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, Target, decide, installed_version
 
 __all__ = ["patch", "unpatch", "status", "FlavourStatus", "DISABLE_ENV"]
 __version__ = "0.1.0"
@@ -29,10 +29,11 @@ _refusals_said: Set[str] = set()
 class FlavourStatus(NamedTuple):
     """What the shim did with one Lightning flavour.
 
-    ``mode`` is one of: ``"patched"`` (every class the flavour has patched: ``FSDPStrategy``, and
-    ``Fabric`` for Fabric's), ``"native"``, ``"unsupported"``, ``"not installed"``, ``"pending"`` (will be
-    patched when imported), ``"partly patched"`` (``patched_classes`` says which) or ``"unpatched"``
-    (patchable, but patching is off).
+    ``mode`` is one of: ``"patched"`` (every class and module the flavour has patched: ``FSDPStrategy``,
+    ``Fabric`` for Fabric's, and the modules that read full checkpoints), ``"native"``, ``"unsupported"``,
+    ``"not installed"``, ``"pending"`` (will be patched when imported), ``"partly patched"``
+    (``patched_classes`` says which) or ``"unpatched"`` (patchable, but patching is off). ``patched_classes``
+    names classes by name and modules by their path below the flavour's package (``"core.saving"``).
     """
 
     package: str
@@ -50,16 +51,16 @@ def patch() -> None:
         import wrapt
 
         for flavour in FLAVOURS:
-            for module_name, class_name in flavour.patched_classes:
+            for target in flavour.patch_targets:
                 # Runs at once if the module is already imported, else right after its import.
-                wrapt.register_post_import_hook(_hook_for(flavour, class_name), module_name)
+                wrapt.register_post_import_hook(_hook_for(flavour, target), target.module)
         _hooks_registered = True
         return
     for flavour in FLAVOURS:
-        for module_name, class_name in flavour.patched_classes:
-            module = sys.modules.get(module_name)
+        for target in flavour.patch_targets:
+            module = sys.modules.get(target.module)
             if module is not None:
-                _patch_module(flavour, module, class_name)
+                _patch_module(flavour, module, target)
 
 
 def unpatch() -> None:
@@ -91,8 +92,11 @@ def _status_of(flavour: Flavour) -> FlavourStatus:
     decision, reason = decide(version)
     if decision != PATCH:
         return FlavourStatus(flavour.package, version, decision, reason)
-    modules = {name: module for module, name in flavour.patched_classes}
-    classes = {name: getattr(sys.modules.get(module), name, None) for name, module in modules.items()}
+    modules = {target.label: target.module for target in flavour.patch_targets}
+    classes = {
+        target.label: target.resolve(sys.modules[target.module]) if target.module in sys.modules else None
+        for target in flavour.patch_targets
+    }
     patched = tuple(name for name, cls in classes.items() if cls is not None and _patcher.is_patched(cls))
     waiting = [modules[name] for name, cls in classes.items() if cls is None]
     if len(patched) == len(classes):
@@ -111,21 +115,22 @@ def _status_of(flavour: Flavour) -> FlavourStatus:
     return FlavourStatus(flavour.package, version, "unpatched", why)
 
 
-def _hook_for(flavour: Flavour, class_name: str):
+def _hook_for(flavour: Flavour, target: Target):
     def hook(module) -> None:
         if _wanted:
-            _patch_module(flavour, module, class_name)
+            _patch_module(flavour, module, target)
 
     return hook
 
 
-def _patch_module(flavour: Flavour, module, class_name: str = "FSDPStrategy") -> None:
+def _patch_module(flavour: Flavour, module, target: Optional[Target] = None) -> None:
+    target = target or flavour.patch_targets[0]
     version = installed_version(flavour)
     decision, reason = decide(version) if version else (None, "version unknown")
     if decision == PATCH:
         from ._patches import TABLES
 
-        _patcher.apply(getattr(module, class_name), TABLES[(flavour.kind, class_name)])
+        _patcher.apply(target.resolve(module), TABLES[(flavour.kind, target.label)])
     elif decision != NATIVE and flavour.package not in _refusals_said:
         _refusals_said.add(flavour.package)
         import logging  # only when refusing: logging costs more to import than the shim

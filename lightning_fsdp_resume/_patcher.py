@@ -1,7 +1,7 @@
-"""Generic, reversible class patching. Knows nothing about checkpoints or Lightning.
+"""Generic, reversible patching of classes and modules. Knows nothing about checkpoints or Lightning.
 
-Every attribute a patch replaces is remembered exactly as it stood in the class's own ``__dict__``
-(or remembered as absent, when the class only inherited it), so ``revert`` restores the class
+Every attribute a patch replaces is remembered exactly as it stood in the class's (or module's) own
+``__dict__`` (or remembered as absent, when the class only inherited it), so ``revert`` restores the class
 attribute for attribute and ``get_original`` answers what was there before. Like wrapt's
 ``unwrap_object``, ``revert`` refuses when another library has since replaced one of those attributes
 (wrapping ours, say): restoring ours would silently remove theirs.
@@ -28,19 +28,25 @@ class _Swap(NamedTuple):
     replacement: Any  # what apply put there
 
 
-def _resolve(cls: type, name: str) -> Any:
-    """The raw attribute (function, property, ...) that ``cls.name`` finds along the MRO."""
-    for klass in cls.__mro__:
+def _resolve(cls: Any, name: str) -> Any:
+    """The raw attribute (function, property, ...) that ``cls.name`` finds along the MRO (a module: its own)."""
+    for klass in getattr(cls, "__mro__", (cls,)):
         if name in klass.__dict__:
             return klass.__dict__[name]
-    raise AttributeError(f"{cls.__qualname__} has no attribute {name!r} to wrap")
+    raise AttributeError(f"{_name(cls)} has no attribute {name!r} to wrap")
+
+
+def _name(cls: Any) -> str:
+    """``module.Class`` for a class, the module's name for a module."""
+    qualname = getattr(cls, "__qualname__", None)
+    return f"{cls.__module__}.{qualname}" if qualname else cls.__name__
 
 
 class Patcher:
     def __init__(self) -> None:
-        self._saved: Dict[type, Dict[str, _Swap]] = {}
+        self._saved: Dict[Any, Dict[str, _Swap]] = {}
 
-    def apply(self, cls: type, table: Mapping[str, Any]) -> bool:
+    def apply(self, cls: Any, table: Mapping[str, Any]) -> bool:
         """Put every entry of ``table`` on ``cls``. False, and nothing done, when ``cls`` is already patched."""
         if cls in self._saved:
             return False
@@ -53,7 +59,7 @@ class Patcher:
         self._saved[cls] = saved
         return True
 
-    def revert(self, cls: type) -> bool:
+    def revert(self, cls: Any) -> bool:
         """Undo ``apply`` exactly. False when ``cls`` was not patched; ``NotOutermostError``, and nothing
         changed, when an attribute ``apply`` set has been replaced since."""
         saved = self._saved.get(cls)
@@ -62,7 +68,7 @@ class Patcher:
         replaced = [name for name, swap in saved.items() if cls.__dict__.get(name, _ABSENT) is not swap.replacement]
         if replaced:
             raise NotOutermostError(
-                f"{cls.__module__}.{cls.__qualname__}: {', '.join(replaced)} replaced by someone else after it was"
+                f"{_name(cls)}: {', '.join(replaced)} replaced by someone else after it was"
                 " patched; restoring the original would remove that change too, so the class is left patched. Undo"
                 " that change first, then revert."
             )
@@ -74,14 +80,14 @@ class Patcher:
                 setattr(cls, name, swap.original)
         return True
 
-    def is_patched(self, cls: type) -> bool:
+    def is_patched(self, cls: Any) -> bool:
         return cls in self._saved
 
-    def get_original(self, cls: type, name: str) -> Any:
+    def get_original(self, cls: Any, name: str) -> Any:
         """What ``cls.__dict__[name]`` held before patching; ``AttributeError`` if the class only inherited it."""
         original = self._saved[cls][name].original
         if original is _ABSENT:
-            raise AttributeError(f"{cls.__qualname__} did not define {name!r} itself before it was patched")
+            raise AttributeError(f"{_name(cls)} did not define {name!r} itself before it was patched")
         return original
 
     def patched_classes(self) -> list:

@@ -11,6 +11,19 @@ from typing import NamedTuple, Optional, Tuple
 TRAINER, FABRIC = "trainer", "fabric"
 
 
+class Target(NamedTuple):
+    """What one patch table is applied to: a class of a module, or (``name`` empty) the module itself, whose
+    functions are patched where the module binds them."""
+
+    module: str  # e.g. "lightning.pytorch.strategies.fsdp"
+    name: str  # the class, e.g. "FSDPStrategy"; "" for the module itself
+    label: str  # the table's name: the class name, or the module's path below the flavour's package
+
+    def resolve(self, module: object) -> object:
+        """The patched object, given the imported ``module``."""
+        return getattr(module, self.name, None) if self.name else module
+
+
 class Flavour(NamedTuple):
     """One importable Lightning package whose FSDP checkpointing the shim patches: the Trainer's
     (``FSDPStrategy``) or Fabric's (``FSDPStrategy`` and ``Fabric``)."""
@@ -25,11 +38,18 @@ class Flavour(NamedTuple):
         return f"{self.package}.strategies.fsdp"
 
     @property
-    def patched_classes(self) -> Tuple[Tuple[str, str], ...]:
-        """``(module, class name)`` of every class the shim patches for this flavour."""
+    def patch_targets(self) -> Tuple[Target, ...]:
+        """Every class and module the shim patches for this flavour."""
+        strategy = Target(self.strategy_module, "FSDPStrategy", "FSDPStrategy")
         if self.kind == FABRIC:
-            return ((self.strategy_module, "FSDPStrategy"), (f"{self.package}.fabric", "Fabric"))
-        return ((self.strategy_module, "FSDPStrategy"),)
+            # cloud_io's checkpoint reader, where it is defined and where the checkpoint IO plugin binds it
+            return (strategy, Target(f"{self.package}.fabric", "Fabric", "Fabric"), self._module("utilities.cloud_io"),
+                    self._module("plugins.io.torch_io"))
+        # where load_from_checkpoint binds that reader
+        return (strategy, self._module("core.saving"))
+
+    def _module(self, path: str) -> Target:
+        return Target(f"{self.package}.{path}", "", path)
 
 
 FLAVOURS = (

@@ -134,9 +134,9 @@ class TestPatching:
 
         for package in PATCHABLE:
             flavour = FLAVOURS[package]
-            for module, class_name in flavour.patched_classes:
-                cls = getattr(importlib.import_module(module), class_name)
-                for name, entry in TABLES[(flavour.kind, class_name)].items():
+            for target in flavour.patch_targets:
+                cls = target.resolve(importlib.import_module(target.module))
+                for name, entry in TABLES[(flavour.kind, target.label)].items():
                     assert name in vars(cls), (cls, name)
                     if not hasattr(entry, "factory"):
                         assert vars(cls)[name] is entry
@@ -166,7 +166,7 @@ class TestPatching:
     def test_unpatch_restores_every_patched_class_of_every_flavour(self, restore_patch):
         import importlib
 
-        classes = [getattr(importlib.import_module(module), name) for p in PATCHABLE for module, name in FLAVOURS[p].patched_classes]
+        classes = [t.resolve(importlib.import_module(t.module)) for p in PATCHABLE for t in FLAVOURS[p].patch_targets]
         shim.unpatch()
         pristine = {cls: dict(vars(cls)) for cls in classes}
         shim.patch()

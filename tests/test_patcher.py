@@ -61,7 +61,7 @@ class TestFabricStatus:
     def test_status_names_fabric_itself_among_the_patched_classes(self, fabric):
         _, package = fabric
         status = shim.status()[package]
-        assert (status.mode, status.patched_classes) == ("patched", ("FSDPStrategy", "Fabric"))
+        assert (status.mode, status.patched_classes) == ("patched", ("FSDPStrategy", "Fabric", "utilities.cloud_io", "plugins.io.torch_io"))
 
     def test_unpatch_leaves_a_class_someone_patched_on_top_and_says_so(self, fabric):
         cls, package = fabric

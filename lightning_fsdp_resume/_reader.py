@@ -1,0 +1,81 @@
+"""A sharded checkpoint read whole, in one process, wherever Lightning reads a full checkpoint file.
+
+Lightning's full-checkpoint readers (``LightningModule.load_from_checkpoint``, a single-device or DDP
+``ckpt_path=``, Fabric's ``load``/``load_raw`` without FSDP) all call one function, ``cloud_io._load``; the
+patch table wraps it so that a sharded checkpoint directory reads as the full checkpoint ``consolidate`` would
+write, with no process group and no FSDP. Everything else is left to Lightning's own reader.
+"""
+import functools
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+from . import _consolidate, _format, _verify
+
+
+def wrap_load(original_load: Callable) -> Callable:
+    """``cloud_io._load(path_or_url, map_location=None, ...)``, reading a local sharded checkpoint directory too."""
+
+    @functools.wraps(original_load)
+    def _load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(path_or_url, (str, Path)) and "://" not in str(path_or_url) and Path(path_or_url).is_dir():
+            return read_whole(Path(path_or_url), map_location)
+        return original_load(path_or_url, map_location, *args, **kwargs)
+
+    return _load
+
+
+def read_whole(path: Path, map_location: Any = None) -> Dict[str, Any]:
+    """The full checkpoint held by the sharded directory ``path``, its tensors placed as ``map_location`` says
+    (as ``torch.load`` places them; the shards are read onto the CPU first).
+
+    The Trainer's reads as a Lightning checkpoint (``state_dict``, ``optimizer_states`` in PyTorch's format,
+    ``hyper_parameters`` and the rest of ``meta.pt``); Fabric's as Fabric's full file, with an optimizer's state
+    in PyTorch's format where the checkpoint holds one module, so that a non-FSDP optimizer loads it.
+    Memory: each tensor is allocated once; a tensor moved elsewhere by ``map_location`` frees its CPU copy
+    before the next moves, so the peak is the full state plus the largest tensor.
+    """
+    _verify.checkpoint_kind(path)  # a partial, damaged or foreign directory: the same refusal as everywhere
+    _consolidate._check_torch()
+    checkpoint, summary = _consolidate.read_full_checkpoint(path)
+    if summary.writer == _format.FABRIC and len(summary.weights) == 1:
+        (module_key,) = summary.weights
+        modules = _format.modules_in_state_dict_order(checkpoint[module_key])
+        for key in summary.optimizers:
+            checkpoint[key] = _consolidate._standard_optimizer_state(checkpoint[key], modules)
+    if map_location is None:
+        return checkpoint
+    return _placed(checkpoint, functools.partial(_place, map_location=map_location))
+
+
+def _placed(obj: Any, place: Callable[[Any], Any]) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples replaced by ``place(tensor)``, one at a time."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return place(obj)
+    if isinstance(obj, dict):
+        for key in list(obj):
+            obj[key] = _placed(obj[key], place)
+        return obj
+    if isinstance(obj, list):
+        for index, value in enumerate(obj):
+            obj[index] = _placed(value, place)
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_placed(value, place) for value in obj)
+    return obj
+
+
+def _place(tensor: Any, map_location: Any) -> Any:
+    """Where ``torch.load(map_location=...)`` would put a tensor saved on the CPU."""
+    import torch
+
+    if callable(map_location):  # (storage, location) -> storage, as torch.load calls it; None: leave it
+        storage = map_location(tensor.untyped_storage(), "cpu")
+        if storage is None or storage.data_ptr() == tensor.untyped_storage().data_ptr():
+            return tensor
+        moved = torch.empty(0, dtype=tensor.dtype, device=storage.device)
+        return moved.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+    if isinstance(map_location, dict):  # saved location -> location
+        map_location = map_location.get("cpu", "cpu")
+    return tensor.to(map_location)
