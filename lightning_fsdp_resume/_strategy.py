@@ -23,6 +23,53 @@ def wrap_init(original_init: Callable) -> Callable:
     return _signature.wrap_init(original_init, default="full", old_torch_error=OLD_TORCH_ERROR)
 
 
+# Where a LightningModule keeps the FSDP root its first run wrapped it in: in its own ``__dict__`` (not as a
+# submodule), because the weights of the root unit live in that root's flat parameters.
+_ROOT_ATTRIBUTE = "_lightning_fsdp_resume_root"
+
+
+def wrap_setup_model(original_setup_model: Callable) -> Callable:
+    """Wrap a LightningModule in FSDP once; every later ``fit``/``validate``/``test``/``predict`` of any Trainer
+    in the same processes runs the same sharded model.
+
+    Lightning 2.0.x wraps anew on every run: its sub-units are FSDP units already and the root unit's weights
+    sit in the earlier root's flat parameters, so the new root holds none of them and loads fail (native 2.1
+    fails the same way, upstream #20373).
+    """
+
+    @functools.wraps(original_setup_model)
+    def _setup_model(self: Any, model: Any) -> Any:
+        lightning_module = self.lightning_module
+        root = vars(lightning_module).get(_ROOT_ATTRIBUTE)
+        if root is None:
+            root = original_setup_model(self, model)
+            object.__setattr__(lightning_module, _ROOT_ATTRIBUTE, root)  # not a submodule: no state-dict keys
+            return root
+        wanted = bool(self.kwargs.get("use_orig_params", False))
+        if compat.uses_orig_params(root) != wanted:
+            raise ValueError(
+                f"`FSDPStrategy(use_orig_params={wanted})` cannot run this {type(lightning_module).__name__}: an"
+                f" earlier run in this process wrapped it in FSDP with use_orig_params={not wanted}, and FSDP cannot"
+                " wrap a model twice. Use the same setting as that run, or a new instance of the model (load its"
+                " weights with `ckpt_path=`)."
+            )
+        return root
+
+    return _setup_model
+
+
+def wrap_setup_optimizers(original_setup_optimizers: Callable) -> Callable:
+    """Create optimizers when fitting only, as native 2.1 does: 2.0.x creates new ones for ``validate``, ``test``
+    and ``predict`` too, so a ``save_checkpoint`` after them wrote fresh optimizer states over the trained ones."""
+
+    @functools.wraps(original_setup_optimizers)
+    def setup_optimizers(self: Any, trainer: Any) -> None:
+        if trainer.state.fn == "fit":
+            original_setup_optimizers(self, trainer)
+
+    return setup_optimizers
+
+
 def restore_checkpoint_after_setup(self: Any) -> bool:
     # Restore into the wrapped, sharded model: the full model is never materialised on every rank.
     return True

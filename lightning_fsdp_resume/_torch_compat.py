@@ -140,6 +140,11 @@ def load_optimizer_state_dict(model: Any, optimizer: Any, state: Dict[str, Any],
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state))
 
 
+def uses_orig_params(model: Any) -> bool:
+    """Whether an FSDP-wrapped model was wrapped with ``use_orig_params=True`` (an FSDP attribute since torch 2.0)."""
+    return bool(getattr(model, "_use_orig_params", False))
+
+
 def model_parameter_shapes(model: Any) -> Any:
     """torch >= 2.5: the model's state-dict entries and full shapes when all of them are parameters FSDP
     shards, which ``read_model_into_shards``/``copy_model_into_shards`` then load; else None."""
