@@ -1,5 +1,5 @@
 """The tables of what the shim puts on each patched class: the Trainer's ``FSDPStrategy``, Fabric's
-``FSDPStrategy`` and ``Fabric``.
+``FSDPStrategy`` and ``Fabric``; and on the modules that read full checkpoint files.
 
 They apply to Lightning releases in [``_versions.FIRST_PATCHED``, ``_versions.FIRST_NATIVE``), i.e. 2.0.x,
 of every flavour (``lightning.pytorch``, ``pytorch_lightning``, ``lightning.fabric``, ``lightning_fabric``).
@@ -7,13 +7,17 @@ Lightning 2.1 and newer define every one of these itself.
 """
 from typing import Any, Dict, Tuple
 
-from . import _fabric, _strategy
+from . import _fabric, _reader, _strategy
 from ._patcher import Wrap
 from ._versions import FABRIC, TRAINER
 
 FSDP_STRATEGY_PATCHES = {
     # accepts state_dict_type="full" (default) | "sharded" instead of handing it to FSDP
     "__init__": Wrap(_strategy.wrap_init),
+    # wrap a LightningModule once: fit, then validate/test/predict or fit again in the same processes
+    "_setup_model": Wrap(_strategy.wrap_setup_model),
+    # optimizers are created for fit only, so a save after validate/test/predict keeps the trained ones
+    "setup_optimizers": Wrap(_strategy.wrap_setup_optimizers),
     # restore after the model is wrapped and sharded; optimizers are restored by load_checkpoint
     "restore_checkpoint_after_setup": property(_strategy.restore_checkpoint_after_setup),
     "lightning_restore_optimizer": property(_strategy.lightning_restore_optimizer),
@@ -45,9 +49,17 @@ FABRIC_PATCHES = {
     "load_raw": _fabric.load_raw,
 }
 
-# (flavour kind, class name) -> table
+# Lightning's one reader of full checkpoint files reads a sharded directory too (load_from_checkpoint, a
+# single-device or DDP ckpt_path, Fabric without FSDP): where it is defined and where modules bind it by name.
+CHECKPOINT_READER_PATCHES = {"_load": Wrap(_reader.wrap_load)}
+CHECKPOINT_READER_ALIAS_PATCHES = {"pl_load": Wrap(_reader.wrap_load)}
+
+# (flavour kind, Target.label: the class name, or the module's path below the flavour's package) -> table
 TABLES: Dict[Tuple[str, str], Dict[str, Any]] = {
     (TRAINER, "FSDPStrategy"): FSDP_STRATEGY_PATCHES,
     (FABRIC, "FSDPStrategy"): FABRIC_FSDP_STRATEGY_PATCHES,
     (FABRIC, "Fabric"): FABRIC_PATCHES,
+    (FABRIC, "utilities.cloud_io"): CHECKPOINT_READER_PATCHES,
+    (FABRIC, "plugins.io.torch_io"): CHECKPOINT_READER_ALIAS_PATCHES,
+    (TRAINER, "core.saving"): CHECKPOINT_READER_ALIAS_PATCHES,
 }
