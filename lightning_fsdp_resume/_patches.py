@@ -53,6 +53,11 @@ FABRIC_PATCHES = {
 # single-device or DDP ckpt_path, Fabric without FSDP): where it is defined and where modules bind it by name.
 CHECKPOINT_READER_PATCHES = {"_load": Wrap(_reader.wrap_load)}
 CHECKPOINT_READER_ALIAS_PATCHES = {"pl_load": Wrap(_reader.wrap_load)}
+LOAD_FROM_CHECKPOINT_PATCHES = {
+    **CHECKPOINT_READER_ALIAS_PATCHES,
+    # layers built in configure_sharded_model exist before the weights load
+    "_load_state": Wrap(_reader.wrap_load_state),
+}
 
 # (flavour kind, Target.label: the class name, or the module's path below the flavour's package) -> table
 TABLES: Dict[Tuple[str, str], Dict[str, Any]] = {
@@ -61,5 +66,5 @@ TABLES: Dict[Tuple[str, str], Dict[str, Any]] = {
     (FABRIC, "Fabric"): FABRIC_PATCHES,
     (FABRIC, "utilities.cloud_io"): CHECKPOINT_READER_PATCHES,
     (FABRIC, "plugins.io.torch_io"): CHECKPOINT_READER_ALIAS_PATCHES,
-    (TRAINER, "core.saving"): CHECKPOINT_READER_ALIAS_PATCHES,
+    (TRAINER, "core.saving"): LOAD_FROM_CHECKPOINT_PATCHES,
 }

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict
 
 from . import _consolidate, _format, _verify
+from ._patcher import Patcher, Wrap
 
 
 def wrap_load(original_load: Callable) -> Callable:
@@ -22,6 +23,42 @@ def wrap_load(original_load: Callable) -> Callable:
         return original_load(path_or_url, map_location, *args, **kwargs)
 
     return _load
+
+
+def wrap_load_state(original_load_state: Callable) -> Callable:
+    """``load_from_checkpoint``'s ``_load_state(cls, checkpoint, strict, **kwargs)``, running the model's
+    ``configure_sharded_model`` hook before the weights load, as Lightning 2.2 runs ``configure_model``: layers the
+    hook builds then receive their weights instead of being refused as unexpected keys. Outside a Trainer the hook's
+    ``wrap()`` calls wrap nothing."""
+
+    @functools.wraps(original_load_state)
+    def _load_state(cls: Any, checkpoint: Dict[str, Any], strict: Any = None, **kwargs: Any) -> Any:
+        if not _builds_in_hook(cls):
+            return original_load_state(cls, checkpoint, strict, **kwargs)
+        # The hook runs first thing in on_load_checkpoint, which _load_state calls between building the model and
+        # loading its weights: that class attribute is swapped for this call only, and restored exactly.
+        patcher = Patcher()
+        patcher.apply(cls, {"on_load_checkpoint": Wrap(_configure_first)})
+        try:
+            return original_load_state(cls, checkpoint, strict, **kwargs)
+        finally:
+            patcher.revert(cls)
+
+    return _load_state
+
+
+def _builds_in_hook(cls: Any) -> bool:
+    """Whether a LightningModule class overrides ``configure_sharded_model``: a class below Lightning's, which
+    defines it (a datamodule has none), defines it too."""
+    return len([klass for klass in getattr(cls, "__mro__", ()) if "configure_sharded_model" in vars(klass)]) > 1
+
+
+def _configure_first(on_load_checkpoint: Any) -> Callable:
+    def hook(self: Any, checkpoint: Dict[str, Any]) -> Any:
+        self.configure_sharded_model()
+        return on_load_checkpoint(self, checkpoint)
+
+    return hook
 
 
 def read_whole(path: Path, map_location: Any = None) -> Dict[str, Any]:
