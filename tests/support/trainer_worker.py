@@ -234,6 +234,14 @@ def cli_main(argv) -> None:
     leave_process_group()
 
 
+def activation_checkpointing(enabled: bool) -> dict:
+    """FSDPStrategy's argument checkpointing every ``nn.Linear``: 2.0.x's ``activation_checkpointing``, or the
+    ``activation_checkpointing_policy`` that native 2.1+ deprecates it for."""
+    if not enabled:
+        return {}
+    return {"activation_checkpointing_policy": {nn.Linear}} if TRAINER_UNDER_TEST.native else {"activation_checkpointing": [nn.Linear]}
+
+
 def main() -> None:
     if sys.argv[1:2] == ["cli"]:
         return cli_main(sys.argv[2:])
@@ -255,6 +263,7 @@ def main() -> None:
     parser.add_argument("--other-ranks-ckpt-path", default=None, help="what ranks > 0 pass as ckpt_path")
     parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see kill_during_saves")
     parser.add_argument("--trace-meta", action="store_true", help="log each meta.pt write to OUT/meta_writes.txt")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every nn.Linear's activations")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -267,6 +276,7 @@ def main() -> None:
             state_dict_type=args.state_dict_type,
             use_orig_params=bool(args.use_orig_params),
             auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+            **activation_checkpointing(args.activation_checkpointing),
         )
         devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     else:
