@@ -308,6 +308,8 @@ def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_onl
     from torch.nn.parallel import DistributedDataParallel
 
     # other strategies of 2.0.x: what native 2.1's base one does, through the strategy's CheckpointIO
+    if isinstance(path, (str, Path)) and Path(path).is_dir():
+        _checked_raw(Path(path), bool(weights_only))  # a sharded checkpoint holds no single state dict: refused
     state = self._strategy.checkpoint_io.load_checkpoint(path)
     if isinstance(obj, DistributedDataParallel):
         obj = obj.module  # the state dict is the module's own, without DDP's "module." prefix

@@ -72,3 +72,10 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(document):
         assert target_path.exists(), f"{document}: {link}: no such file"
         if anchor:
             assert anchor in _anchors(target_path), f"{document}: {link}: no such heading"
+
+
+def test_the_readme_workflow_table_is_the_one_the_workflow_tests_check():
+    """The table is rendered from support/workflows.py, whose expected failures (strict) the matrix checks."""
+    from support.workflows import markdown
+
+    assert markdown() in (ROOT / "README.md").read_text()

@@ -105,6 +105,34 @@ class BufferedNet(Net):
         self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16))
 
 
+class BuiltNet(Net):
+    """Net whose last layer is built in the hook Lightning runs before wrapping: 2.0.x's
+    ``configure_sharded_model``, the ``configure_model`` that native 2.1+ names it. Idempotent, as the hook may
+    run more than once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = None
+
+    def _build(self):
+        """Build the last layer; in 2.0.x's hook, wrap every part too (a root unit it does not add), as
+        TwoOptimizerNet does. Outside the Trainer, ``wrap`` wraps nothing."""
+        from torch.distributed.fsdp.wrap import wrap
+
+        if self.late is None:
+            self.late = wrap(nn.Sequential(nn.Linear(2, 2)))
+            self.body, self.head = wrap(self.body), wrap(self.head)
+
+    def forward(self, x):
+        return self.late(super().forward(x))
+
+
+if TRAINER_UNDER_TEST.native:
+    BuiltNet.configure_model = BuiltNet._build
+else:
+    BuiltNet.configure_sharded_model = BuiltNet._build
+
+
 class TwoOptimizerNet(Net):
     """Two optimizers (manual optimization): Adam for the body, SGD with momentum for the head."""
 
@@ -135,8 +163,10 @@ class Recorder(Callback):
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.prefix = ""  # the step's, in a run of several steps (run_steps)
 
     def dump(self, trainer, name: str) -> None:
+        name = self.prefix + name
         rank = trainer.global_rank
         local = states.local_state(trainer.model, trainer.strategy.optimizers)
         full = {"params": full_weights(trainer), "optim": None}
@@ -242,13 +272,110 @@ def activation_checkpointing(enabled: bool) -> dict:
     return {"activation_checkpointing_policy": {nn.Linear}} if TRAINER_UNDER_TEST.native else {"activation_checkpointing": [nn.Linear]}
 
 
+def make_trainer(args, max_epochs: int):
+    """A Trainer as the arguments ask, with a new strategy and new callbacks (checkpoints into --ckpt-dir)."""
+    if args.strategy == "fsdp":
+        enable_cpu_fsdp()
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        checkpoint_kind = {} if args.stock else {"state_dict_type": args.state_dict_type}
+        strategy = FSDPStrategy(
+            **checkpoint_kind,
+            use_orig_params=bool(args.use_orig_params),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+            **activation_checkpointing(args.activation_checkpointing),
+        )
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    elif args.strategy == "ddp":
+        strategy, devices = "ddp", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    else:
+        strategy, devices = "auto", 1
+    num_nodes = int(os.environ.get("WORLD_SIZE", "1")) // devices
+    if args.last_only:
+        checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=0, save_last=True)
+    elif args.best_first:
+        checkpoint = ModelCheckpoint(
+            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1, monitor="step", mode="min", save_last=True
+        )
+    elif args.top_k == -1:
+        checkpoint = ModelCheckpoint(
+            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1, save_weights_only=args.weights_only
+        )
+    else:
+        checkpoint = ModelCheckpoint(
+            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=args.top_k, monitor="step", mode="max", save_last=True
+        )
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        callbacks=[checkpoint, Recorder(args.out)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0 if args.fn == "fit" and not args.then else None,
+        deterministic=True,
+    )
+
+
+def recorder(trainer) -> "Recorder":
+    return next(callback for callback in trainer.callbacks if isinstance(callback, Recorder))
+
+
+def open_process_group(seconds: int) -> None:
+    """The process group Lightning would open (it keeps one that is open), with a shorter timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=seconds))
+
+
+def run_steps(args, trainer, model) -> None:
+    """Run ``--then``'s steps in these processes, one after another, each recorded with its number (``s1-test``)
+    and its outcome in ``OUT/steps_rank{rank}.json``; a failed step does not stop the next.
+
+    ``FN:CKPT`` runs ``trainer.FN(model, ckpt_path=CKPT)`` (``none``: None; a file name: in --ckpt-dir);
+    ``fit:CKPT:EPOCHS`` fits on to EPOCHS with the same Trainer, ``newfit:CKPT:EPOCHS`` with a new one;
+    ``save:NAME`` records the state as ``sN-saved`` and saves ``OUT/NAME``.
+    """
+    outcomes = []
+    for number, step in enumerate(args.then, start=1):
+        fn, _, rest = step.partition(":")
+        recorder(trainer).prefix = f"s{number}-"
+        try:
+            if fn == "save":
+                recorder(trainer).dump(trainer, "saved")
+                trainer.save_checkpoint(args.out / rest)
+            else:
+                where, _, epochs = rest.partition(":")
+                ckpt_path = {"none": None, "best": "best", "last": "last"}.get(where, str(args.ckpt_dir / where))
+                if fn == "newfit":
+                    trainer, fn = make_trainer(args, int(epochs)), "fit"
+                    recorder(trainer).prefix = f"s{number}-"
+                if fn == "fit":
+                    trainer.fit_loop.max_epochs = int(epochs)
+                    trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path)
+                else:
+                    getattr(trainer, fn)(model, dataloaders=data(), ckpt_path=ckpt_path)
+            outcomes.append({"step": step, "error": None})
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # recorded for the test to judge (torch's CheckpointException is a BaseException)
+            outcomes.append({"step": step, "error": f"{type(error).__name__}: {error}"[:2000]})
+    (args.out / f"steps_rank{int(os.environ.get('RANK', '0'))}.json").write_text(json.dumps(outcomes))
+
+
 def main() -> None:
     if sys.argv[1:2] == ["cli"]:
         return cli_main(sys.argv[2:])
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ckpt-dir", type=Path, required=True)
-    parser.add_argument("--strategy", choices=["fsdp", "single"], default="fsdp")
+    parser.add_argument("--strategy", choices=["fsdp", "single", "ddp"], default="fsdp")
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--use-orig-params", type=int, default=0)
     parser.add_argument("--optimizers", type=int, default=1)
@@ -258,54 +385,22 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=-1, help="-1: keep every epoch; else monitor step, keep k, save last")
     parser.add_argument("--last-only", action="store_true", help="only last.ckpt, overwritten every epoch")
     parser.add_argument("--weights-only", action="store_true", help="ModelCheckpoint(save_weights_only=True)")
-    parser.add_argument("--net", choices=["net", "wide", "extra", "buffered"], default="net")
+    parser.add_argument("--net", choices=["net", "wide", "extra", "buffered", "built"], default="net")
     parser.add_argument("--strict", type=int, default=1, help="LightningModule.strict_loading")
     parser.add_argument("--other-ranks-ckpt-path", default=None, help="what ranks > 0 pass as ckpt_path")
     parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see kill_during_saves")
     parser.add_argument("--trace-meta", action="store_true", help="log each meta.pt write to OUT/meta_writes.txt")
     parser.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every nn.Linear's activations")
+    parser.add_argument("--best-first", action="store_true", help="keep every epoch, the best is the first (monitor step, min)")
+    parser.add_argument("--stock", action="store_true", help="Lightning's own FSDPStrategy arguments (no state_dict_type)")
+    parser.add_argument("--then", nargs="*", default=[], help="steps after the first call in the same processes, see run_steps")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(0)
-    if args.strategy == "fsdp":
-        enable_cpu_fsdp()
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        strategy = FSDPStrategy(
-            state_dict_type=args.state_dict_type,
-            use_orig_params=bool(args.use_orig_params),
-            auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
-            **activation_checkpointing(args.activation_checkpointing),
-        )
-        devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    else:
-        strategy, devices = "auto", 1
-    num_nodes = int(os.environ.get("WORLD_SIZE", "1")) // devices
-    if args.last_only:
-        checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=0, save_last=True)
-    elif args.top_k == -1:
-        checkpoint = ModelCheckpoint(
-            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1, save_weights_only=args.weights_only
-        )
-    else:
-        checkpoint = ModelCheckpoint(
-            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=args.top_k, monitor="step", mode="max", save_last=True
-        )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        max_epochs=args.max_epochs,
-        callbacks=[checkpoint, Recorder(args.out)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0 if args.fn == "fit" else None,
-        deterministic=True,
-    )
+    if args.then:
+        open_process_group(seconds=120)  # a step that fails on one rank ends the run in minutes, not gloo's 30
+    trainer = make_trainer(args, args.max_epochs)
     if args.trace_meta:
         trace_meta_writes(args.out / "meta_writes.txt")
     if args.kill:
@@ -314,7 +409,7 @@ def main() -> None:
     if args.optimizers == 2:
         model = TwoOptimizerNet()
     else:
-        model = {"net": Net, "wide": WideNet, "extra": ExtraNet, "buffered": BufferedNet}[args.net]()
+        model = {"net": Net, "wide": WideNet, "extra": ExtraNet, "buffered": BufferedNet, "built": BuiltNet}[args.net]()
     model.strict_loading = bool(args.strict)
     ckpt_path = args.ckpt_path
     if args.other_ranks_ckpt_path is not None and int(os.environ.get("RANK", "0")) > 0:
@@ -323,6 +418,8 @@ def main() -> None:
         trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path)
     else:
         getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=ckpt_path)
+    if args.then:
+        run_steps(args, trainer, model)
     leave_process_group()
 
 
