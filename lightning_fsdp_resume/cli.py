@@ -35,19 +35,45 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     commands.add_parser("status", help="installed Lightning, torch and wrapt, and what the shim did with each flavour")
 
+    from ._consolidate import DTYPES, FORMATS, TORCH  # plain names: importing it loads no torch
+
     consolidate = commands.add_parser(
         "consolidate",
         help="turn a sharded checkpoint directory into one full checkpoint file, in one process",
         description="Read a sharded FSDP checkpoint directory (this package's or Lightning >= 2.1's, written by the"
         " Trainer or by Fabric) and write the full checkpoint file the same run would have written. The Trainer's:"
         " weights under state_dict, optimizer states in PyTorch's format. Fabric's: each module and optimizer under"
-        " its own key, optimizer states keyed by parameter name. Everything else of meta.pt is kept. Needs no GPU and"
-        " no process group; SRC is never modified.",
+        " its own key, optimizer states keyed by parameter name. Everything else of meta.pt is kept. With --weights-only"
+        " or --format safetensors: the weights alone, for inference. Needs no GPU and no process group; SRC is never"
+        " modified.",
     )
     consolidate.add_argument("src", type=Path, metavar="SRC", help="the sharded checkpoint directory")
     consolidate.add_argument("dst", type=Path, metavar="DST", help="the full checkpoint file to write")
     consolidate.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     consolidate.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    consolidate.add_argument(
+        "--weights-only", action="store_true",
+        help="the model's weights for inference, without optimizer state or training metadata. A Trainer checkpoint"
+        " keeps state_dict and what load_from_checkpoint reads (pytorch-lightning_version, the hyper-parameters)"
+        " plus epoch and global_step; loops, callbacks, optimizer and scheduler states are left out. A Fabric"
+        " checkpoint keeps its module entries only",
+    )
+    consolidate.add_argument(
+        "--dtype", choices=list(DTYPES), default=None,
+        help="cast floating-point weights to this dtype; integer and bool tensors are kept as they are (default:"
+        " as stored). Weights-only output only: with --weights-only or --format safetensors",
+    )
+    consolidate.add_argument(
+        "--format", choices=FORMATS, default=TORCH,
+        help="torch (default): a checkpoint file for torch.load and load_from_checkpoint. safetensors: one module's"
+        " tensors under its own key names (the Trainer's state_dict keys), read and written one tensor at a time so"
+        " that memory stays near the largest tensor; weights only, so --weights-only is implied",
+    )
+    consolidate.add_argument(
+        "--module", metavar="NAME", default=None,
+        help="a Fabric checkpoint's module entry (the key given to fabric.save) to write alone; with --weights-only or"
+        " --format safetensors, and needed for safetensors when the checkpoint holds several modules",
+    )
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -61,20 +87,28 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run_consolidate(args: argparse.Namespace) -> int:
     """Exit status 0 when DST was written, 1 when the conversion was refused (the reason on stderr)."""
-    from ._consolidate import consolidate
+    from ._consolidate import SAFETENSORS, consolidate
     from ._format import TRAINER
 
+    weights_only = args.weights_only or args.format == SAFETENSORS
     try:
-        summary = consolidate(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet)
+        summary = consolidate(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet,
+                              weights_only=args.weights_only, dtype=args.dtype, format=args.format, module=args.module)
     except (OSError, ValueError, NotImplementedError) as error:
         print(f"lightning_fsdp_resume consolidate: error: {error}", file=sys.stderr)
         return 1
     if summary.writer == TRAINER:
-        held = f"{summary.weights['state_dict']} state_dict entries, {len(summary.optimizers)} optimizer states"
+        held = f"{summary.weights['state_dict']} state_dict entries"
+        if not weights_only:
+            held += f", {len(summary.optimizers)} optimizer states"
     else:
         modules = ", ".join(f"{key!r} ({count} entries)" for key, count in summary.weights.items())
-        held = f"Fabric checkpoint: modules {modules}; optimizers {', '.join(map(repr, summary.optimizers)) or 'none'}"
-    print(f"Wrote {str(args.dst)!r}: {held}, {summary.tensor_bytes / 2**20:.1f} MiB of tensors.")
+        held = f"Fabric checkpoint: modules {modules}"
+        if not weights_only:
+            held += f"; optimizers {', '.join(map(repr, summary.optimizers)) or 'none'}"
+    if weights_only:
+        held = f"weights only ({args.format}{', ' + args.dtype if args.dtype else ''}): {held}"
+    print(f"Wrote {str(args.dst)!r}: {held}, {summary.tensor_bytes / 2**20:.1f} MiB of tensors read.")
     return 0
 
 

@@ -4,7 +4,9 @@ The refusals and the writing need no run. The rest consolidates the checkpoints 
 (torchrun, gloo on the CPU), shared by the tests: sharded with use_orig_params=False and one optimizer;
 sharded with use_orig_params=True; sharded with two optimizers; and, where the shim saves it, the full
 checkpoint of the first configuration, which consolidating must reproduce exactly. They are the
-session's ``reference`` runs, which the multi-rank suite makes too.
+session's ``reference`` runs, which the multi-rank suite makes too. Weights-only output, ``--dtype`` and
+safetensors are checked on sharded checkpoints written by hand in this process, then on those runs' and
+Fabric's; the safetensors files are read with the ``safetensors`` package.
 """
 import hashlib
 import os
@@ -20,7 +22,7 @@ from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
 from support.flavours import FABRIC_UNDER_TEST, NATIVE, VERSION
-from support.marks import needs_consolidate, needs_cpu_fsdp, skip_as
+from support.marks import long_runs, needs_consolidate, needs_cpu_fsdp, skip_as
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, worker
 from support.states import assert_identical, assert_ranks_identical, differences, load
 
@@ -132,14 +134,14 @@ def test_importing_it_imports_neither_torch_nor_lightning():
 # --- checkpoints of real 2-rank runs ---------------------------------------------------------------
 
 
-def _consolidated(reference, tmp_path: Path, use_orig_params: int, optimizers: int = 1):
-    """The sharded run's checkpoint after epoch 1, consolidated; the run's directory and the file."""
+def _consolidated(reference, tmp_path: Path, use_orig_params: int, optimizers: int = 1, **options):
+    """The sharded run's checkpoint after epoch 1, consolidated (with ``options``); the run's directory and the file."""
     supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
     if not supported:
         pytest.skip(why)
     root = reference("sharded", use_orig_params, optimizers)
     dst = tmp_path / "full.ckpt"
-    consolidate(root / "ckpt" / MID, dst, progress=False)
+    consolidate(root / "ckpt" / MID, dst, progress=False, **options)
     return root, dst
 
 
@@ -219,14 +221,17 @@ def test_source_is_never_modified(reference, tmp_path):
     assert fingerprint() == before
 
 
+@pytest.mark.parametrize("weights_only", [False, True], ids=["full", "weights-only"])
 @pytest.mark.multirank
 @needs_cpu_fsdp
-def test_result_opens_with_load_from_checkpoint(reference, tmp_path, monkeypatch):
+def test_result_opens_with_load_from_checkpoint(reference, tmp_path, monkeypatch, weights_only):
     from support.trainer_worker import Net
 
     # Lightning 2.0.x's loader predates torch 2.6's weights_only default; checkpoints are trusted files.
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    root, dst = _consolidated(reference, tmp_path, 0, 1)
+    root, dst = _consolidated(reference, tmp_path, 0, 1, weights_only=weights_only)
+    if weights_only:  # a file for inference: no optimizer state, no training metadata
+        assert not {"optimizer_states", "loops", "callbacks", "lr_schedulers"} & set(load(dst))
     model = Net.load_from_checkpoint(dst)
     expected = load(root / "out" / "full_epoch1.pt")["params"]
     assert_identical(expected, {n: p.detach() for n, p in model.named_parameters()}, "weights")
@@ -481,3 +486,310 @@ def test_fabric_resume_on_2_ranks_from_the_consolidated_file_is_bit_exact(tmp_pa
     assert set(reference) == {"model", "optimizer", "scheduler", "epoch", "step"}
     assert reference["optimizer"]["state"] and (reference["epoch"], reference["step"]) == (3, 48)
     assert_identical(reference, resumed, "the last checkpoints, consolidated")
+
+
+# --- weights only, --dtype, safetensors: hand-made sharded checkpoints, in this process -------------
+
+
+class Handmade(NamedTuple):
+    trainer: Path  # the Trainer's layout: "model" and "optimizer_0" in the shards, its metadata in meta.pt
+    extra_state: Path  # the same with a module's extra state (a pickled object) among the weights
+    fabric: Path  # Fabric's layout: two modules, "gen" and "disc", and an optimizer "opt"
+    weights: dict  # the weights of the Trainer's checkpoints
+    fabric_weights: dict  # Fabric's, by module
+
+
+# Everything a Trainer checkpoint's meta.pt holds, a user's own entry and a precision plugin's state included.
+TRAINER_META = {
+    "epoch": 2, "global_step": 40, "pytorch-lightning_version": "2.0.9", "loops": {"fit_loop": {"epoch": 2}},
+    "callbacks": {"ModelCheckpoint{}": {"best_model_path": "x"}}, "lr_schedulers": [{"last_epoch": 2}],
+    "hparams_name": "kwargs", "hyper_parameters": {"width": 3}, "datamodule_hparams_name": "kwargs",
+    "datamodule_hyper_parameters": {"batch_size": 4}, "MixedPrecisionPlugin": {"scale": 1.0}, "my_note": "mine",
+}
+WEIGHTS_ONLY_KEYS = {"state_dict", "epoch", "global_step", "pytorch-lightning_version", "hparams_name",
+                     "hyper_parameters", "datamodule_hparams_name", "datamodule_hyper_parameters"}
+
+
+def _write_sharded(directory: Path, stored: dict, meta: dict) -> Path:
+    directory.mkdir(parents=True)
+    compat.save_distributed(stored, directory)
+    compat.save_file(meta, directory / "meta.pt")
+    return directory
+
+
+def _optimizer_state(weights: dict) -> dict:
+    first = next(iter(weights))
+    return {"state": {first: {"exp_avg": weights[first] * 2, "step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "params": list(weights)}]}
+
+
+@pytest.fixture(scope="module")
+def handmade(tmp_path_factory):
+    skip_as(needs_consolidate)
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        "layer.weight": torch.randn(5, 3, generator=generator),
+        "layer.bias": torch.randn(5, generator=generator),
+        "emb.weight": torch.randn(3, generator=generator).half(),  # 6 bytes: an fp32 tensor after it would be misaligned
+        "head.weight": torch.randn(2, 3, generator=generator),
+        "scale": torch.randn(2, generator=generator).bfloat16(),
+        "norm.num_batches_tracked": torch.tensor(7),
+        "mask": torch.tensor([True, False, True]),
+    }
+    fabric_weights = {"gen": {"body.weight": torch.randn(4, 2, generator=generator), "body.bias": torch.zeros(4)},
+                      "disc": {"out.weight": torch.randn(1, 4, generator=generator)}}
+    root = tmp_path_factory.mktemp("handmade")
+    trainer = {"model": weights, "optimizer_0": _optimizer_state(weights)}
+    with_extra = {"model": {**weights, "adapter._extra_state": "version 2"}, "optimizer_0": _optimizer_state(weights)}
+    fabric = {**fabric_weights, "opt": _optimizer_state(fabric_weights["gen"])}
+    yield Handmade(_write_sharded(root / "trainer", trainer, TRAINER_META),
+                   _write_sharded(root / "extra-state", with_extra, TRAINER_META),
+                   _write_sharded(root / "fabric", fabric, {"epoch": 1, "note": "two modules"}),
+                   weights, fabric_weights)
+
+
+def _cast(weights: dict, dtype) -> dict:
+    return {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in weights.items()}
+
+
+def _bits(weights: dict) -> dict:
+    """Each tensor's bytes, so that equality is bit for bit (torch.equal takes -0.0 for 0.0)."""
+    return {name: t.contiguous().view(-1).view(torch.uint8) for name, t in weights.items()}
+
+
+def _safetensors_header(path: Path):
+    """The header's length and its JSON, read by hand."""
+    import json
+    import struct
+
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return length, json.loads(handle.read(length))
+
+
+DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@needs_consolidate
+def test_weights_only_keeps_state_dict_and_what_load_from_checkpoint_reads(handmade, tmp_path):
+    consolidate(handmade.trainer, tmp_path / "full.ckpt", progress=False)
+    summary = consolidate(handmade.trainer, tmp_path / "weights.ckpt", progress=False, weights_only=True)
+    weights, full = load(tmp_path / "weights.ckpt"), load(tmp_path / "full.ckpt")
+    assert set(weights) == WEIGHTS_ONLY_KEYS  # no optimizer_states, loops, callbacks, lr_schedulers, plugin or user entries
+    assert_identical(full["state_dict"], weights["state_dict"], "state_dict")
+    assert_identical({key: full[key] for key in WEIGHTS_ONLY_KEYS}, weights, "the entries kept")
+    assert (summary.writer, summary.weights, summary.optimizers) == ("trainer", {"state_dict": 7}, ())
+
+
+@needs_consolidate
+def test_weights_only_reads_the_model_tensors_alone(handmade, tmp_path, monkeypatch):
+    read = compat.read_distributed_in_one_process
+    keys = []
+
+    def recording(state, path, planner):
+        keys.extend(state)
+        read(state, path, planner)
+
+    monkeypatch.setattr(compat, "read_distributed_in_one_process", recording)
+    consolidate(handmade.trainer, tmp_path / "weights.ckpt", progress=False, weights_only=True)
+    assert sorted(keys) == sorted(f"model.{name}" for name in handmade.weights)
+
+
+@needs_consolidate
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_dtype_casts_floating_point_weights_and_keeps_integer_and_bool_ones(handmade, tmp_path, dtype):
+    consolidate(handmade.trainer, tmp_path / "weights.ckpt", progress=False, weights_only=True, dtype=dtype)
+    state_dict = load(tmp_path / "weights.ckpt")["state_dict"]
+    assert_identical(_cast(handmade.weights, DTYPES[dtype]), state_dict, "cast weights")
+    assert state_dict["norm.num_batches_tracked"].dtype == torch.int64 and state_dict["mask"].dtype == torch.bool
+
+
+@needs_consolidate
+@pytest.mark.parametrize("dtype", [None, "bf16", "fp16"])
+def test_safetensors_loads_with_safetensors_and_equals_the_consolidated_weights_bit_for_bit(handmade, tmp_path, dtype):
+    from safetensors.torch import load_file
+
+    consolidate(handmade.trainer, tmp_path / "full.ckpt", progress=False)
+    summary = consolidate(handmade.trainer, tmp_path / "w.safetensors", progress=False, format="safetensors", dtype=dtype)
+    expected = _cast(load(tmp_path / "full.ckpt")["state_dict"], DTYPES[dtype])
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert_identical(_bits(expected), _bits(loaded), "safetensors weights")
+    assert {name: t.dtype for name, t in loaded.items()} == {name: t.dtype for name, t in expected.items()}
+    assert summary.weights == {"state_dict": 7} and summary.optimizers == ()
+
+
+@needs_consolidate
+def test_safetensors_header_names_the_format_and_source_and_aligns_every_tensor(handmade, tmp_path):
+    consolidate(handmade.trainer, tmp_path / "w.safetensors", progress=False, format="safetensors")
+    length, header = _safetensors_header(tmp_path / "w.safetensors")
+    assert header.pop("__metadata__") == {"format": "pt", "checkpoint": "trainer", "entry": "state_dict",
+                                          "epoch": "2", "global_step": "40"}
+    itemsize = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "BOOL": 1}
+    spans = sorted(entry["data_offsets"] for entry in header.values())
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no holes
+    assert all(entry["data_offsets"][0] % itemsize[entry["dtype"]] == 0 for entry in header.values())
+    assert length % 8 == 0 and (tmp_path / "w.safetensors").stat().st_size == 8 + length + spans[-1][1]
+
+
+@needs_consolidate
+def test_safetensors_reads_one_tensor_at_a_time_and_frees_it_before_the_next(handmade, tmp_path, monkeypatch):
+    """Memory stays near the largest tensor: each read holds one tensor, and the one before is gone by then."""
+    import weakref
+
+    read = compat.read_distributed_in_one_process
+    reads, earlier = [], []
+
+    def one_at_a_time(state, path, planner):
+        assert not [ref for ref in earlier if ref() is not None], "a tensor read before is still held"
+        reads.append(list(state))
+        read(state, path, planner)
+        earlier.extend(weakref.ref(tensor) for tensor in state.values())
+
+    monkeypatch.setattr(compat, "read_distributed_in_one_process", one_at_a_time)
+    consolidate(handmade.trainer, tmp_path / "w.safetensors", progress=False, format="safetensors", dtype="bf16")
+    assert [len(keys) for keys in reads] == [1] * len(handmade.weights)
+    assert sorted(key for keys in reads for key in keys) == sorted(f"model.{name}" for name in handmade.weights)
+
+
+@needs_consolidate
+def test_failed_safetensors_write_leaves_the_destination_as_it_was(handmade, tmp_path, monkeypatch):
+    read, count = _consolidate._read_tensor, []
+
+    def fail_on_the_third(*args):
+        count.append(1)
+        if len(count) == 3:
+            raise OSError("disk full")
+        return read(*args)
+
+    (tmp_path / "w.safetensors").write_bytes(b"old")
+    monkeypatch.setattr(_consolidate, "_read_tensor", fail_on_the_third)
+    with pytest.raises(OSError, match="disk full"):
+        consolidate(handmade.trainer, tmp_path / "w.safetensors", overwrite=True, progress=False, format="safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # no temporary file left behind
+    assert (tmp_path / "w.safetensors").read_bytes() == b"old"
+
+
+@pytest.mark.parametrize("options,refusal", [
+    ({"dtype": "bf16"}, "--dtype bf16 casts the weights of a weights-only file.*Add --weights-only, or --format safetensors"),
+    ({"module": "net"}, "--module 'net' writes one module's weights only. Add --weights-only, or --format safetensors"),
+    ({"weights_only": True, "dtype": "int8"}, r"Unknown dtype 'int8' \(--dtype\): choose 'bf16', 'fp16', 'fp32'"),
+    ({"format": "onnx"}, r"Unknown output format 'onnx' \(--format\): choose 'torch', 'safetensors'"),
+])
+def test_contradicting_or_unknown_settings_are_refused_before_anything_is_read(tmp_path, options, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        consolidate(tmp_path / "not-read", tmp_path / "out", **options)
+    assert not list(tmp_path.iterdir())
+
+
+def test_existing_destination_is_kept_for_safetensors_too(tmp_path):
+    (tmp_path / "w.safetensors").write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="already exists. Pass --overwrite"):
+        consolidate(fake_sharded(tmp_path / "src"), tmp_path / "w.safetensors", format="safetensors")
+    assert (tmp_path / "w.safetensors").read_bytes() == b"mine"
+
+
+@needs_consolidate
+def test_module_of_a_trainer_checkpoint_is_refused(handmade, tmp_path):
+    with pytest.raises(ValueError, match="--module 'net' picks a module of a Fabric checkpoint, but .* is the Trainer's.*Drop --module"):
+        consolidate(handmade.trainer, tmp_path / "w.safetensors", format="safetensors", module="net")
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+@needs_consolidate
+def test_extra_state_is_kept_by_weights_only_and_refused_by_safetensors(handmade, tmp_path):
+    consolidate(handmade.extra_state, tmp_path / "weights.ckpt", progress=False, weights_only=True, dtype="bf16")
+    state_dict = load(tmp_path / "weights.ckpt")["state_dict"]
+    assert state_dict["adapter._extra_state"] == "version 2"
+    assert_identical(_cast(handmade.weights, torch.bfloat16), {k: v for k, v in state_dict.items() if k != "adapter._extra_state"}, "weights")
+    with pytest.raises(ValueError, match="'adapter._extra_state' of 'model' in .* is not a tensor.*--weights-only instead"):
+        consolidate(handmade.extra_state, tmp_path / "w.safetensors", progress=False, format="safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+@needs_consolidate
+def test_fabric_with_several_modules_needs_module_for_safetensors(handmade, tmp_path):
+    with pytest.raises(ValueError, match=r"holds several modules \('gen', 'disc'\).*Pass --module NAME"):
+        consolidate(handmade.fabric, tmp_path / "w.safetensors", progress=False, format="safetensors")
+    with pytest.raises(ValueError, match=r"--module 'opt': .* has no such module entry; its modules are 'gen', 'disc'"):
+        consolidate(handmade.fabric, tmp_path / "w.safetensors", progress=False, format="safetensors", module="opt")
+    assert not list(tmp_path.iterdir())
+
+
+@needs_consolidate
+def test_fabric_module_picks_one_module_under_its_own_key_names(handmade, tmp_path):
+    from safetensors.torch import load_file
+
+    summary = consolidate(handmade.fabric, tmp_path / "gen.safetensors", progress=False, format="safetensors", module="gen")
+    assert_identical(handmade.fabric_weights["gen"], load_file(tmp_path / "gen.safetensors"), "gen's weights")
+    assert (summary.writer, summary.weights) == ("fabric", {"gen": 2})
+    consolidate(handmade.fabric, tmp_path / "disc.ckpt", progress=False, weights_only=True, module="disc")
+    assert_identical({"disc": handmade.fabric_weights["disc"]}, load(tmp_path / "disc.ckpt"), "the file")
+    consolidate(handmade.fabric, tmp_path / "both.ckpt", progress=False, weights_only=True)
+    assert_identical(handmade.fabric_weights, load(tmp_path / "both.ckpt"), "every module entry, nothing else")
+
+
+@needs_consolidate
+def test_command_line_writes_safetensors_and_refuses_contradictions(handmade, tmp_path, capsys):
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from lightning_fsdp_resume.cli import main
+
+    dst = tmp_path / "w.safetensors"
+    command = [sys.executable, "-m", "lightning_fsdp_resume", "consolidate", str(handmade.trainer), str(dst),
+               "--format", "safetensors", "--dtype", "bf16"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"Wrote '{dst}': weights only (safetensors, bf16): 7 state_dict entries"), result.stdout
+    assert_identical(_bits(_cast(handmade.weights, torch.bfloat16)), _bits(load_file(dst)), "the CLI's file")
+
+    assert main(["consolidate", str(handmade.trainer), str(tmp_path / "x.ckpt"), "--dtype", "fp16"]) == 1
+    assert "error: --dtype fp16 casts the weights of a weights-only file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["consolidate", str(handmade.trainer), str(tmp_path / "x.ckpt"), "--dtype", "int8"])
+    assert usage.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+# --- weights only and safetensors of real checkpoints: Fabric's in this process, the Trainer's 2-rank runs ---
+
+
+def test_fabric_weights_only_holds_the_module_entries_alone(fabric_run, tmp_path):
+    summary = consolidate(fabric_run.sharded, tmp_path / "weights.ckpt", progress=False, weights_only=True)
+    assert (summary.weights, summary.optimizers) == ({"net": 6}, ())
+    assert_identical({"net": fabric_run.expected["net"]}, load(tmp_path / "weights.ckpt"), "the weights-only file")
+
+
+def test_fabric_safetensors_has_the_modules_own_key_names(fabric_run, tmp_path):
+    from safetensors.torch import load_file
+
+    consolidate(fabric_run.sharded, tmp_path / "net.safetensors", progress=False, format="safetensors")
+    assert_identical(_bits(fabric_run.expected["net"]), _bits(load_file(tmp_path / "net.safetensors")), "weights")
+
+
+@pytest.mark.multirank
+@needs_cpu_fsdp
+def test_safetensors_of_a_2_rank_checkpoint_equals_the_runs_gathered_weights(reference, tmp_path):
+    from safetensors.torch import load_file
+
+    root = reference("sharded", 0)
+    consolidate(root / "ckpt" / MID, tmp_path / "w.safetensors", progress=False, format="safetensors")
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert_identical(_bits(load(root / "out" / "full_epoch1.pt")["params"]), _bits(loaded), "weights")
+    assert set(loaded) == set(_registration_order())
+
+
+@long_runs
+@needs_consolidate
+def test_benchmark_reports_consolidate_memory_for_each_output(handmade, tmp_path):
+    """Figures are printed, never asserted: only that each output has its row."""
+    import subprocess
+
+    benchmark = Path(__file__).parent.parent / "benchmarks" / "resume_benchmark.py"
+    result = subprocess.run([sys.executable, str(benchmark), "--consolidate-from", str(handmade.trainer), "--repeats", "1",
+                             "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["consolidate output", "torch, full", "torch, --weights-only", "safetensors", "safetensors, --dtype bf16"]
+    assert "largest weight tensor" in result.stdout and not list(tmp_path.iterdir())
