@@ -8,6 +8,9 @@ new processes (``checkpoint_ranks.py``). Then it times ``import lightning_fsdp_r
 
     python benchmarks/resume_benchmark.py --native-python /path/to/native-env/bin/python
 
+``--consolidate`` also measures ``consolidate``'s peak memory for each output format on a sharded
+checkpoint the shim saves; ``--consolidate-from DIR`` measures only that, on the sharded checkpoint DIR.
+
 Exits 1 when a run fails or the shim import pulls in torch or Lightning; missed targets are reported
 in the tables, not in the exit status.
 """
@@ -185,6 +188,95 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
     return "\n".join(lines)
 
 
+# --- consolidate: peak memory per output format ------------------------------------------------------
+
+# Each output of consolidate that is measured, with consolidate()'s options for it.
+CONSOLIDATE_OUTPUTS = (
+    ("torch, full", {}),
+    ("torch, --weights-only", {"weights_only": True}),
+    ("safetensors", {"format": "safetensors"}),
+    ("safetensors, --dtype bf16", {"format": "safetensors", "dtype": "bf16"}),
+)
+
+# One consolidation in a fresh process, so that no earlier one's freed memory hides its peak. The sizes
+# come from the shard index; torch and its checkpoint reader are imported before the phase.
+_CONSOLIDATE_PROBE = """\
+import json, sys, time
+from pathlib import Path
+import torch.distributed.checkpoint
+from peak_rss import PeakRss
+from lightning_fsdp_resume import _consolidate, _verify
+from lightning_fsdp_resume import _torch_compat as compat
+src, dst, options = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+index = compat.read_shard_index(src)
+sizes = {key: entry.size.numel() * entry.properties.dtype.itemsize
+         for key, entry in index.state_dict_metadata.items() if hasattr(entry, "properties")}
+selected = _consolidate._select_weights(src, index, _verify.read_meta(src), None)
+weights = [sizes[key] for keys in selected.keys.values() for key in keys if key in sizes]
+with PeakRss() as phase:
+    start = time.perf_counter()
+    _consolidate.consolidate(src, dst, overwrite=True, progress=False, **options)
+    seconds = time.perf_counter() - start
+print(json.dumps({"growth": phase.growth, "seconds": seconds, "file": dst.stat().st_size, "state": sum(sizes.values()),
+                  "tensors": len(sizes), "weights": sum(weights), "largest_weight": max(weights, default=0)}))
+"""
+
+
+def measure_consolidate(python: str, src: Path, workdir: Path, repeats: int) -> Dict[str, List[Dict]]:
+    """``{output: [record per repeat]}``, each record from one fresh process consolidating ``src``."""
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])  # peak_rss
+    records: Dict[str, List[Dict]] = {}
+    for repeat in range(repeats):
+        for label, options in CONSOLIDATE_OUTPUTS:
+            print(f"repeat {repeat + 1}/{repeats}: consolidate to {label}", file=sys.stderr, flush=True)
+            dst = workdir / "consolidated"
+            command = [python, "-c", _CONSOLIDATE_PROBE, str(src), str(dst), json.dumps(options)]
+            result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+            if result.returncode != 0:
+                raise RuntimeError(f"consolidate to {label} with {python} exited {result.returncode}:\n{result.stderr[-8000:]}")
+            records.setdefault(label, []).append(json.loads(result.stdout.strip().splitlines()[-1]))
+            dst.unlink()
+    return records
+
+
+def consolidate_report(records: Dict[str, List[Dict]], source: str) -> str:
+    """The consolidate table: per output, file size, time and peak growth, and the growth against the largest
+    weight tensor, the weights and the full state."""
+    runs_of_one = next(iter(records.values()))
+    first = runs_of_one[0]
+    largest, weights, state = first["largest_weight"], first["weights"], first["state"]
+    repeats = len(runs_of_one)
+    lines = [
+        f"consolidate of {source}: full state {_mb(state)} MB in {first['tensors']} tensors, weights {_mb(weights)} MB,"
+        f" largest weight tensor {_mb(largest)} MB; each output made in a fresh process, median of {repeats}.",
+        "",
+    ]
+    rows = []
+    for label, runs in records.items():
+        growth = statistics.median(run["growth"] for run in runs)
+        seconds = statistics.median(run["seconds"] for run in runs)
+        spread = f"{_mb(min(r['growth'] for r in runs))}–{_mb(max(r['growth'] for r in runs))}"
+        rows.append([label, _mb(runs[0]["file"]), f"{seconds:.2f}", f"{_mb(growth)} ({spread})",
+                     _show(_ratio(growth, largest)), _show(_ratio(growth, weights)), _show(_ratio(growth, state))])
+    lines.append(table(["consolidate output", "file MB", "time s", "peak growth MB (range)", "growth / largest weight tensor",
+                        "growth / weights", "growth / full state"], rows))
+    return "\n".join(lines)
+
+
+def consolidate_a_save(args: argparse.Namespace, workdir: Path) -> str:
+    """The consolidate table for a sharded checkpoint of the benchmark's model, saved by the shim."""
+    run_dir = workdir / "consolidate"
+    checkpoint = run_dir / "checkpoint"
+    print("consolidate: saving a sharded checkpoint to measure", file=sys.stderr, flush=True)
+    launch(sys.executable, "save", "sharded", checkpoint, run_dir, args)
+    try:
+        records = measure_consolidate(sys.executable, checkpoint, run_dir, args.repeats)
+    finally:
+        shutil.rmtree(run_dir)
+    return consolidate_report(records, f"the shim's sharded checkpoint of the model above ({args.layers} × {args.width})")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--native-python", default=os.environ.get(NATIVE_PYTHON_ENV),
@@ -199,13 +291,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--allowance-mb", type=float, default=64.0,
                         help="the constant of the memory targets, per rank (default 64 MB)")
     parser.add_argument("--workdir", type=Path, default=None, help="where checkpoints go (default: a temporary directory)")
+    parser.add_argument("--consolidate", action="store_true",
+                        help="also measure consolidate's peak memory per output format, on a sharded checkpoint of the model")
+    parser.add_argument("--consolidate-from", type=Path, default=None, metavar="DIR",
+                        help="measure only consolidate's peak memory per output format, on the sharded checkpoint DIR")
     args = parser.parse_args(argv)
 
     sides = [("shim", sys.executable)] + ([("native", args.native_python)] if args.native_python else [])
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fsdp-resume-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    consolidated = ""
     try:
+        if args.consolidate_from is not None:
+            records = measure_consolidate(sys.executable, args.consolidate_from, workdir, args.repeats)
+            print(consolidate_report(records, repr(str(args.consolidate_from))))
+            return 0
         results = run_all(sides, args, workdir)
+        if args.consolidate:
+            consolidated = consolidate_a_save(args, workdir)
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
@@ -214,6 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     imports = import_time.measure(sys.executable, args.import_repeats, env=_env())
     print(report({key: Figures(value) for key, value in results.items()}, imports, args))
+    if consolidated:
+        print("\n" + consolidated)
     return 1 if imports["heavy_imported"] else 0
 
 
