@@ -191,7 +191,7 @@ def test_load_from_checkpoint_reads_a_sharded_directory_without_a_process_group(
 @pytest.mark.parametrize("workflow", [pytest.param("load_from_checkpoint", marks=expected("load_from_checkpoint"))])
 def test_load_from_checkpoint_reads_a_sharded_directory_beside_a_process_group(reference, process_group, workflow):
     """One rank's process group is up (a notebook after training, say): the read does not join it."""
-    ref = reference("sharded", 1)
+    ref = reference("sharded", 0)
     model = _trainer_module().Net.load_from_checkpoint(ref / "ckpt" / MID)
     assert_identical(load(ref / "out" / "full_epoch1.pt")["params"], _weights_of(model), "weights")
 
@@ -244,10 +244,13 @@ def test_fabric_without_fsdp_loads_a_sharded_directory(fabric_reference, workflo
     fabric.load(ref / "ckpt" / "epoch=1.ckpt", state)
     recorded = load(ref / "out" / "full_epoch1.pt")
     assert_identical(recorded["params"], _weights_of(model.module if hasattr(model, "module") else model), "weights")
-    names = [name for name, _ in model.named_parameters()]
-    restored = {names[index]: value for index, value in optimizer.state_dict()["state"].items()}
-    assert_identical(recorded["optim"][0], {n.replace("_forward_module.", ""): v for n, v in restored.items()},
-                     "optimizer state")
+    # Fabric 2.0.5's optimizer wrapper has no load_state_dict of its own: it loads any state into itself, not into
+    # the optimizer (2.0.9 delegates), with or without the shim
+    if "load_state_dict" in vars(FABRIC_UNDER_TEST.module("wrappers")._FabricOptimizer):
+        names = [name for name, _ in model.named_parameters()]
+        restored = {names[index]: value for index, value in optimizer.state_dict()["state"].items()}
+        assert_identical(recorded["optim"][0], {n.replace("_forward_module.", ""): v for n, v in restored.items()},
+                         "optimizer state")
     assert state["epoch"] == 1
     with pytest.raises(ValueError, match=r"sharded checkpoint directory.*fabric\.load"):
         fabric.load_raw(ref / "ckpt" / "epoch=1.ckpt", model)
