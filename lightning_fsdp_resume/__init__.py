@@ -15,7 +15,7 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 from ._patcher import NotOutermostError, Patcher
 from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, Target, decide, installed_version
 
-__all__ = ["patch", "unpatch", "status", "FlavourStatus", "DISABLE_ENV"]
+__all__ = ["patch", "unpatch", "status", "FlavourStatus", "DISABLE_ENV", "RankStates"]
 __version__ = "0.1.0"
 
 DISABLE_ENV = "LIGHTNING_FSDP_RESUME_DISABLE"
@@ -113,6 +113,15 @@ def _status_of(flavour: Flavour) -> FlavourStatus:
         return FlavourStatus(flavour.package, version, "partly patched", why, patched)
     why = f"patching is off (unpatch() was called, or {DISABLE_ENV} is set)"
     return FlavourStatus(flavour.package, version, "unpatched", why)
+
+
+def __getattr__(name: str):
+    """``RankStates`` (Fabric: each rank's RNG states and buffers in a checkpoint), imported on first use."""
+    if name == "RankStates":
+        from ._rank_states import RankStates
+
+        return RankStates
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _hook_for(flavour: Flavour, target: Target):

@@ -49,7 +49,7 @@ def save_checkpoint(
             "FSDP doesn't support loading sharded filtered checkpoints, so saving them is disabled."
             " Save with `FSDPStrategy(state_dict_type='full')` to filter."
         )
-    _, module = _the_fsdp_module(state, "save", path)
+    module_key, module = _the_fsdp_module(state, "save", path)
     offload = _saving.offload(module) if full else False
     stored: Dict[str, Any] = {}
     metadata: Dict[str, Any] = {}
@@ -65,6 +65,8 @@ def save_checkpoint(
         # Rank 0 alone holds the gathered entries; only it writes.
         _saving.write_full(self, path, lambda partial: compat.save_file({**stored, **metadata}, partial))
     else:
+        if module_key in stored:
+            stored[module_key] = _saving.with_rank_zeros_buffers(self, stored[module_key])
         _saving.write_sharded(self, path, stored, metadata)
 
 

@@ -34,6 +34,14 @@ def refuse_storage_options(storage_options: Optional[Any]) -> None:
         )
 
 
+def with_rank_zeros_buffers(strategy: Any, model_state: Dict[str, Any]) -> Dict[str, Any]:
+    """A sharded model state dict to save, whose buffers (whole on every rank, and they may differ: BatchNorm's
+    running statistics) are rank 0's: other ranks leave them out, where torch would pick any rank's."""
+    if strategy.global_rank == 0:
+        return model_state
+    return {name: value for name, value in model_state.items() if compat.is_shard(value)}
+
+
 def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any]) -> None:
     """Every rank writes its shards of ``stored`` and rank 0 ``metadata`` (``meta.pt``) into a hidden partial
     sibling; rank 0 puts it at ``filepath`` once every rank has finished.

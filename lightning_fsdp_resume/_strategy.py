@@ -9,7 +9,7 @@ import functools
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from . import _format, _loading, _ranks, _saving, _signature, _verify
+from . import _format, _loading, _rank_states, _ranks, _saving, _signature, _verify
 from . import _torch_compat as compat
 
 OLD_TORCH_ERROR = (
@@ -116,17 +116,27 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     """A sharded directory (``model``, ``optimizer_0``, … and ``meta.pt``) or one file, put at ``filepath``
     only once complete."""
     _saving.refuse_storage_options(storage_options)
+    states = _rank_states.gathered(self.model)  # every rank's RNG states and rank-local buffers, on rank 0
+    if states is not None:
+        checkpoint[_rank_states.KEY] = states
     if _saving.is_full(self):
         _saving.write_full(self, filepath, lambda partial: self.checkpoint_io.save_checkpoint(checkpoint, partial))
         return
-    _saving.write_sharded(self, filepath, _stored(checkpoint, keep_optimizer_states=False), checkpoint)
+    stored = _stored(checkpoint, keep_optimizer_states=False)
+    stored[_format.MODEL_KEY] = _saving.with_rank_zeros_buffers(self, stored[_format.MODEL_KEY])
+    _saving.write_sharded(self, filepath, stored, checkpoint)
 
 
 def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
     """Weights into the FSDP module and, when fitting, every optimizer's state into its shards; returns the
     rest of the checkpoint for Lightning to restore (loops, callbacks, schedulers)."""
     take = functools.partial(_stored, keep_optimizer_states=True)
-    return _loading.load(self, checkpoint_path, _loading.checked_kind, functools.partial(_plan, self), take, "state_dict")
+    rest = _loading.load(self, checkpoint_path, _loading.checked_kind, functools.partial(_plan, self), take, "state_dict")
+    states = rest.pop(_rank_states.KEY, None)
+    if states is not None and _fitting(self):
+        # evaluation runs with the model's copy of the buffers (rank 0's), as every other reader of the checkpoint
+        _rank_states.restore(states, self.model, where=f"The checkpoint {str(checkpoint_path)!r}")
+    return rest
 
 
 def _plan(self: Any, path: Path, saved_optimizers: int, _: Any) -> _loading.Restore:

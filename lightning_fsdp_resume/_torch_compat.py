@@ -140,6 +140,12 @@ def load_optimizer_state_dict(model: Any, optimizer: Any, state: Dict[str, Any],
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state))
 
 
+def is_shard(value: Any) -> bool:
+    """Whether a sharded state dict's entry is a parameter's shards (a ``ShardedTensor``, or from torch 2.4 on
+    a ``DTensor``), not a buffer every rank holds whole."""
+    return type(value).__name__ in ("ShardedTensor", "DTensor")
+
+
 def uses_orig_params(model: Any) -> bool:
     """Whether an FSDP-wrapped model was wrapped with ``use_orig_params=True`` (an FSDP attribute since torch 2.0)."""
     return bool(getattr(model, "_use_orig_params", False))

@@ -1,0 +1,127 @@
+"""What each rank keeps to itself and a checkpoint must hold once per rank for a resumed run to equal the
+uninterrupted one: its random number generators' states and the buffers it updated from its own batches
+(FSDP does not synchronise buffers: a BatchNorm's running statistics differ across ranks).
+
+A checkpoint holds them as one list indexed by rank (``rank_states``), written by rank 0; each entry holds
+the rank's RNG states and its buffers: rank 0's all, the others' those that differ from rank 0's (the model's
+own copy, which every other reader sees, is rank 0's too). They are restored when the world size is the one
+that saved them. Everything in it loads with ``torch.load(weights_only=True)``.
+"""
+import pickle
+import random
+import sys
+from typing import Any, Dict, List, Optional
+
+from . import _format
+from . import _torch_compat as compat
+
+KEY = "rank_states"  # the checkpoint entry (the Trainer's; Fabric: wherever the user puts a RankStates)
+
+
+def capture(module: Any) -> Dict[str, Any]:
+    """This rank's RNG states (torch's CPU and, where initialised, CUDA generators, Python's ``random``, NumPy's
+    where imported) and its buffers by their clean names, copied to the CPU."""
+    import torch
+
+    rng: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")  # imported by the user's code, or not wanted
+    if numpy is not None:
+        # its key array as a tensor: a checkpoint read with weights_only=True (torch >= 2.6's default) takes no arrays
+        kind, keys, *rest = numpy.random.get_state()
+        rng["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), *rest)
+    buffers = {} if module is None else {name: value.detach().cpu().clone() for name, value in _buffers(module).items()}
+    return {"rng": rng, "buffers": buffers}
+
+
+def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
+    """Every rank's ``capture`` on rank 0, buffers kept only where they differ from rank 0's; None elsewhere.
+    A collective: every rank calls it."""
+    import torch
+
+    mine = capture(module)
+    rank, world_size = _rank_and_world_size()
+    if world_size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    # pickled first, on the CPU: gather_object pickles what it is given, GPU generator states included
+    everyone: Optional[List[Any]] = [None] * world_size if rank == 0 else None
+    dist.gather_object(pickle.dumps(mine), everyone, dst=0)
+    if everyone is None:
+        return None
+    states = [pickle.loads(blob) for blob in everyone]
+    reference = states[0]["buffers"]
+    for state in states[1:]:  # rank 0's are all kept: a strategy may store any rank's copy in the model's entry
+        state["buffers"] = {
+            name: value for name, value in state["buffers"].items()
+            if name not in reference or not torch.equal(value, reference[name])
+        }
+    return states
+
+
+def restore(states: Any, module: Any, where: str = "The checkpoint") -> None:
+    """This rank's RNG states and buffers from ``states`` (a checkpoint's ``rank_states``) when the world size is
+    the one that saved them; otherwise a one-line warning on rank 0 and nothing restored."""
+    import torch
+
+    rank, world_size = _rank_and_world_size()
+    if not isinstance(states, list) or len(states) != world_size:
+        if rank == 0:
+            import warnings
+
+            saved = len(states) if isinstance(states, list) else "an unknown number of"
+            warnings.warn(
+                f"{where} was saved by {saved} ranks and is resumed on {world_size}: each rank's random number"
+                " generator states and rank-local buffers are not restored (every rank has rank 0's buffers)."
+            )
+        return
+    state = states[rank]
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in rng and numpy is not None:
+        kind, keys, *rest = rng["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
+    if module is None or not state["buffers"]:
+        return
+    mine = _buffers(module)
+    with torch.no_grad():
+        for name, value in state["buffers"].items():
+            if name in mine:
+                mine[name].copy_(value)
+
+
+def _rank_and_world_size():
+    if not compat.distributed():
+        return 0, 1  # one process without a process group: a notebook, a unit test
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+class RankStates:
+    """Fabric: put one in the state you save and load to keep each rank's RNG states and rank-local buffers,
+    ``state = {"model": model, "optimizer": optimizer, "ranks": RankStates(model)}``: ``fabric.save`` writes
+    every rank's (a collective: every rank calls it, as Fabric does), ``fabric.load`` restores this rank's when
+    the world size matches. ``module``: the model whose buffers differ across ranks (None: RNG states only)."""
+
+    def __init__(self, module: Any = None) -> None:
+        self.module = module
+
+    def state_dict(self) -> Any:
+        return gathered(self.module)
+
+    def load_state_dict(self, states: Any) -> None:
+        restore(states, self.module, where="The checkpoint being loaded")
+
+
+def _buffers(module: Any) -> Dict[str, Any]:
+    """The module's buffers by the names its author gave them: no FSDP, activation-checkpointing or Lightning
+    wrapper segments (2.0.x's ``_LightningModuleWrapperBase`` and Fabric's ``_FabricModule`` both call the
+    module they wrap ``_forward_module``)."""
+    return {_format.clean_module_name(name).replace("_forward_module.", ""): buffer for name, buffer in module.named_buffers()}
