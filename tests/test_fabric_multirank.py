@@ -105,6 +105,25 @@ def test_full_save_load_continue_is_bit_exact(fabric_reference, resumed):
     _assert_resumed_exactly(ref, resumed("full"))
 
 
+@pytest.mark.parametrize("net", ["buffered", "dropout"])
+@pytest.mark.parametrize("state_dict_type", [
+    pytest.param("sharded", marks=pytest.mark.xfail(NATIVE, strict=True, reason=SCHEDULER_BUG.replace(
+        "the scheduler", "a stateful object (a RankStates, a scheduler)"))),
+    "full",
+])
+def test_rank_states_resume_every_ranks_buffers_and_random_state(tmp_path, state_dict_type, net):
+    """With a ``RankStates`` of the model in the state, a model with dropout (each rank's masks from its random
+    number generator) or BatchNorm (each rank's running statistics) resumes on every rank bit for bit."""
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    fabric_worker(ref, *fabric_config(ref, state_dict_type), "--epochs", EPOCHS, "--net", net, "--rank-states")
+    fabric_worker(resumed, *fabric_config(resumed, state_dict_type), "--epochs", EPOCHS, "--net", net, "--rank-states",
+                  "--resume", ref / "ckpt" / RESUME)
+    if net == "buffered":
+        saved = [load(ref / "out" / f"epoch{RESUME_EPOCH}_rank{rank}.pt")["buffers"] for rank in (0, 1)]
+        assert any(not torch.equal(saved[0][name], saved[1][name]) for name in saved[0]), "buffers should differ by rank"
+    _assert_resumed_exactly(ref, resumed)
+
+
 def test_a_torchrun_launch_resumes_the_same_as_the_rank_server(fabric_reference, tmp_path):
     ref = fabric_reference("sharded")
     fabric_worker(tmp_path, *fabric_config(tmp_path, "sharded"), "--epochs", EPOCHS, "--resume", ref / "ckpt" / RESUME,

@@ -13,7 +13,7 @@ from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import NATIVE, VERSION
 from support.marks import needs_cpu_fsdp
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, worker
-from support.states import assert_identical, assert_ranks_identical, differences, info, load
+from support.states import assert_identical, assert_ranks_identical, clean, differences, info, load
 
 pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 
@@ -57,32 +57,40 @@ def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params):
     assert (reference("full", use_orig_params) / "ckpt" / MID).is_file()
 
 
+@pytest.mark.xfail(NATIVE, strict=True, reason="native Lightning keeps no rank's RNG states, and one copy of buffers")
+@pytest.mark.parametrize("net", ["buffered", "dropout"])
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_model_with_buffers_resumes_bit_exact(tmp_path, state_dict_type):
-    """BatchNorm's running statistics are buffers, which FSDP does not shard and each rank updates from its
-    own batches. A checkpoint holds one copy, as native Lightning's does: every rank gets it back, and
-    weights and optimizer states are bit-exact. (torch >= 2.5 loads such a model through torch's
-    state-dict API.)"""
+def test_every_rank_resumes_its_own_buffers_and_random_state(tmp_path, state_dict_type, net):
+    """BatchNorm's running statistics are buffers that FSDP does not synchronise: each rank's are its own.
+    Dropout's masks come from each rank's random number generator. The checkpoint holds both per rank, and
+    every rank's weights, buffers and optimizer state after the resume equal the uninterrupted run's."""
     use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
     supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
     if not supported:
         pytest.skip(why)
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    worker(ref, *config(ref, state_dict_type, use_orig_params), "--max-epochs", EPOCHS, "--net", "buffered")
-    worker(resumed, *config(resumed, state_dict_type, use_orig_params), "--max-epochs", EPOCHS, "--net", "buffered",
+    worker(ref, *config(ref, state_dict_type, use_orig_params), "--max-epochs", EPOCHS, "--net", net)
+    worker(resumed, *config(resumed, state_dict_type, use_orig_params), "--max-epochs", EPOCHS, "--net", net,
            "--ckpt-path", ref / "ckpt" / MID)
-    saved = [load(ref / "out" / f"epoch1_rank{rank}.pt")["buffers"] for rank in (0, 1)]
-    assert any(name.endswith("running_mean") and stat.abs().sum() > 0 for name, stat in saved[0].items()), saved[0]
-    assert differences(saved[0], saved[1]), "the ranks' running statistics should differ: each sees its own batches"
-    restored = [load(resumed / "out" / f"start_rank{rank}.pt")["buffers"] for rank in (0, 1)]
-    assert_identical(restored[0], restored[1], "restored buffers of rank 0 and rank 1")
-    assert not differences(saved[0], restored[0]) or not differences(saved[1], restored[0]), "restored buffers are no rank's"
-    for name in ("epoch1", "final"):
-        for rank in (0, 1):
-            expected = load(ref / "out" / f"{name}_rank{rank}.pt")
-            actual = load(resumed / "out" / f"{'start' if name == 'epoch1' else name}_rank{rank}.pt")
-            assert_identical(expected["params"], actual["params"], f"rank {rank} {name}: weights")
-            assert_identical(expected["optim"], actual["optim"], f"rank {rank} {name}: optimizer state")
+    if net == "buffered":
+        saved = [load(ref / "out" / f"epoch1_rank{rank}.pt")["buffers"] for rank in (0, 1)]
+        assert any(name.endswith("running_mean") and stat.abs().sum() > 0 for name, stat in saved[0].items()), saved[0]
+        assert differences(saved[0], saved[1]), "the ranks' running statistics should differ: each sees its own batches"
+    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
+    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
+
+
+@pytest.mark.skipif(NATIVE, reason="native Lightning reads no sharded directory outside FSDP")
+def test_a_checkpoint_keeps_rank_zeros_buffers_for_every_other_reader(tmp_path):
+    """The model's own copy of a rank-local buffer, which consolidate, load_from_checkpoint and native Lightning
+    read, is rank 0's, in a sharded checkpoint as in a full one."""
+    worker(tmp_path, *config(tmp_path, "sharded", 0), "--max-epochs", 2, "--net", "buffered")
+    from support.trainer_worker import BufferedNet
+
+    model = BufferedNet.load_from_checkpoint(tmp_path / "ckpt" / "epoch=1.ckpt")
+    rank0 = load(tmp_path / "out" / "final_rank0.pt")["buffers"]
+    mine = {name: value for name, value in model.named_buffers()}
+    assert_identical({clean(name): value for name, value in rank0.items()}, mine, "rank 0's buffers")
 
 
 @pytest.mark.parametrize("state_dict_type,use_orig_params", [("sharded", 0), ("full", 1)])

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import lightning_fsdp_resume  # noqa: F401  (the one-line activation under test)
+import lightning_fsdp_resume  # (the one-line activation under test; RankStates)
 from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
 
 if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/fabric_worker.py`): `support` is in tests/
@@ -63,6 +63,25 @@ class GrownNet(Net):
         self.register_buffer("scale", torch.full((2,), 3.0))  # not a parameter: FSDP does not shard it
 
 
+class DropoutNet(Net):
+    """``--net dropout``: each step's masks come from the rank's random number generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 16))
+
+
+class BufferedNet(Net):
+    """``--net buffered``: BatchNorm's running statistics, which each rank updates from its own batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16))
+
+
+NETS = {"net": Net, "dropout": DropoutNet, "buffered": BufferedNet}
+
+
 def batches(rank: int, world_size: int):
     """The same 64 samples every epoch; each global batch of BATCH per rank is split among the ranks."""
     generator = torch.Generator().manual_seed(1234)
@@ -97,7 +116,7 @@ class Run:
         # Needed under torchrun too: it joins the process group, and Fabric 2.1+ refuses setup_module without it.
         self.fabric.launch()
         torch.manual_seed(0)  # every rank builds the same model, which FSDP then shards
-        self.model = self.fabric.setup_module((GrownNet if args.grown else Net)())
+        self.model = self.fabric.setup_module((GrownNet if args.grown else NETS[args.net])())
         self.optimizer = self.fabric.setup_optimizers(torch.optim.Adam(self.model.parameters(), lr=LR))
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=GAMMA)
         self.epoch, self.step, self.loss = -1, 0, None
@@ -121,12 +140,17 @@ class Run:
     def state(self) -> dict:
         """What each save writes; a load never asks for ``loss`` and ``world_size``, which fabric.load returns."""
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "epoch": self.epoch,
-                 "step": self.step, "loss": self.loss, "world_size": self.fabric.world_size}
+                 "step": self.step, "loss": self.loss, "world_size": self.fabric.world_size, **self.rank_states()}
         return {**state, **self.more_entries()} if self.args.more_entries else state
+
+    def rank_states(self) -> dict:
+        """``--rank-states``: each rank's RNG states and buffers, the way a Fabric user asks for them."""
+        return {"ranks": lightning_fsdp_resume.RankStates(self.model)} if self.args.rank_states else {}
 
     def resume(self, path: Path) -> dict:
         """``fabric.load`` into a state that asks for all but UNREQUESTED; what the tests read of it."""
-        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "epoch": None, "step": None}
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "epoch": None, "step": None,
+                 **self.rank_states()}
         if self.args.request_missing:
             state[MISSING_KEY] = MISSING_DEFAULT
         if self.args.more_entries:
@@ -256,6 +280,8 @@ def main() -> None:
     parser.add_argument("--load-raw", type=Path, default=None, help="fabric.load_raw this model state dict first")
     parser.add_argument("--load-model", type=Path, default=None, help="fabric.load this checkpoint's model alone first")
     parser.add_argument("--grown", action="store_true", help="train a model with one more layer than Net")
+    parser.add_argument("--net", choices=sorted(NETS), default="net", help="the model (--grown: GrownNet)")
+    parser.add_argument("--rank-states", action="store_true", help="save and load a RankStates of the model")
     parser.add_argument("--weights-only", action="store_true", help="fabric.load(..., weights_only=True)")
     parser.add_argument("--filter", action="store_true", help="save only the model's weights (fabric.save filter=)")
     parser.add_argument("--more-entries", action="store_true",

@@ -105,6 +105,14 @@ class BufferedNet(Net):
         self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16))
 
 
+class DropoutNet(Net):
+    """Net with dropout in the body: each step's masks come from the rank's random number generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 16))
+
+
 class BuiltNet(Net):
     """Net whose last layer is built in the hook Lightning runs before wrapping: 2.0.x's
     ``configure_sharded_model``, the ``configure_model`` that native 2.1+ names it. Idempotent, as the hook may
@@ -385,7 +393,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=-1, help="-1: keep every epoch; else monitor step, keep k, save last")
     parser.add_argument("--last-only", action="store_true", help="only last.ckpt, overwritten every epoch")
     parser.add_argument("--weights-only", action="store_true", help="ModelCheckpoint(save_weights_only=True)")
-    parser.add_argument("--net", choices=["net", "wide", "extra", "buffered", "built"], default="net")
+    parser.add_argument("--net", choices=["net", "wide", "extra", "buffered", "dropout", "built"], default="net")
     parser.add_argument("--strict", type=int, default=1, help="LightningModule.strict_loading")
     parser.add_argument("--other-ranks-ckpt-path", default=None, help="what ranks > 0 pass as ckpt_path")
     parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see kill_during_saves")
@@ -409,7 +417,8 @@ def main() -> None:
     if args.optimizers == 2:
         model = TwoOptimizerNet()
     else:
-        model = {"net": Net, "wide": WideNet, "extra": ExtraNet, "buffered": BufferedNet, "built": BuiltNet}[args.net]()
+        model = {"net": Net, "wide": WideNet, "extra": ExtraNet, "buffered": BufferedNet, "dropout": DropoutNet,
+                 "built": BuiltNet}[args.net]()
     model.strict_loading = bool(args.strict)
     ckpt_path = args.ckpt_path
     if args.other_ranks_ckpt_path is not None and int(os.environ.get("RANK", "0")) > 0:
