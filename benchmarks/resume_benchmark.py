@@ -196,6 +196,8 @@ CONSOLIDATE_OUTPUTS = (
     ("torch, --weights-only", {"weights_only": True}),
     ("safetensors", {"format": "safetensors"}),
     ("safetensors, --dtype bf16", {"format": "safetensors", "dtype": "bf16"}),
+    # not a consolidate output: the same reader, as load_from_checkpoint and a non-FSDP ckpt_path use it (no file)
+    ("read whole, no file (load_from_checkpoint)", {"read_whole": True}),
 )
 
 # One consolidation in a fresh process, so that no earlier one's freed memory hides its peak. The sizes
@@ -213,11 +215,18 @@ sizes = {key: entry.size.numel() * entry.properties.dtype.itemsize
          for key, entry in index.state_dict_metadata.items() if hasattr(entry, "properties")}
 selected = _consolidate._select_weights(src, index, _verify.read_meta(src), None)
 weights = [sizes[key] for keys in selected.keys.values() for key in keys if key in sizes]
+read_whole = options.pop("read_whole", False)
+if read_whole:
+    from lightning_fsdp_resume import _reader
 with PeakRss() as phase:
     start = time.perf_counter()
-    _consolidate.consolidate(src, dst, overwrite=True, progress=False, **options)
+    if read_whole:
+        checkpoint = _reader.read_whole(src)
+    else:
+        _consolidate.consolidate(src, dst, overwrite=True, progress=False, **options)
     seconds = time.perf_counter() - start
-print(json.dumps({"growth": phase.growth, "seconds": seconds, "file": dst.stat().st_size, "state": sum(sizes.values()),
+print(json.dumps({"growth": phase.growth, "seconds": seconds, "file": 0 if read_whole else dst.stat().st_size,
+                  "state": sum(sizes.values()),
                   "tensors": len(sizes), "weights": sum(weights), "largest_weight": max(weights, default=0)}))
 """
 
@@ -236,7 +245,7 @@ def measure_consolidate(python: str, src: Path, workdir: Path, repeats: int) -> 
             if result.returncode != 0:
                 raise RuntimeError(f"consolidate to {label} with {python} exited {result.returncode}:\n{result.stderr[-8000:]}")
             records.setdefault(label, []).append(json.loads(result.stdout.strip().splitlines()[-1]))
-            dst.unlink()
+            dst.unlink(missing_ok=True)
     return records
 
 
