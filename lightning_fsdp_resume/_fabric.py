@@ -42,6 +42,7 @@ def save_checkpoint(
     from torch.optim import Optimizer
 
     _refuse_old_torch()
+    _verify.refuse_url(path, "save")  # before the state is checked: what the path is decides first
     _saving.refuse_storage_options(storage_options)
     full = _saving.is_full(self)
     if filter is not None and not full:
@@ -81,6 +82,7 @@ def load_checkpoint(
     from torch.optim import Optimizer
 
     _refuse_old_torch()
+    _verify.refuse_url(path, "load")
     if not state:
         raise ValueError(
             f"Got FSDPStrategy.load_checkpoint(..., state={state!r}) but a state with at least  a model instance to"

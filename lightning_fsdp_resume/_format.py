@@ -28,6 +28,14 @@ _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)(?:\.|$)")
 TRAINER_VERSION_KEY = "pytorch-lightning_version"
 
 
+# A URL (s3://, gs://, memory://, any fsspec protocol), which ``pathlib.Path`` would turn into a local path
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: Any) -> bool:
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
 def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 

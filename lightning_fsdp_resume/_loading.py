@@ -50,7 +50,9 @@ def load(
     Every rank loads what rank 0 names, so all shards come from one checkpoint; rank 0 checks the files
     before anything is loaded and every rank raises its verdict, so none waits in a collective.
     """
-    path = Path(broadcast(strategy, str(path)))
+    target = broadcast(strategy, str(path))
+    _verify.refuse_url(target, "load")
+    path = Path(target)
     kind, verdict = decided_on_rank_zero(strategy, check, path, weights_only)
     if kind == _format.SHARDED:
         shards = compat.read_shard_index(path)

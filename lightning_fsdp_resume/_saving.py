@@ -8,7 +8,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import _atomic, _format
+from . import _atomic, _format, _verify
 from . import _torch_compat as compat
 from ._ranks import barrier, broadcast
 
@@ -74,6 +74,7 @@ def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Path, Path]:
     """The path rank 0 names and the partial sibling every rank writes into. A full save replaces a sharded
     checkpoint but no other directory, not even an empty one (as native 2.1 refuses)."""
     target, token = broadcast(strategy, (str(filepath), secrets.token_hex(8)))
+    _verify.refuse_url(target, "save")
     path = Path(target)
     if path.is_dir() and not (_format.is_replaceable_directory(path) and (not full or any(path.iterdir()))):
         raise IsADirectoryError(

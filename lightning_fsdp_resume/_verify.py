@@ -16,6 +16,17 @@ class MissingCheckpointError(FileNotFoundError, ValueError):
     point to a valid checkpoint"); a ``FileNotFoundError`` says better what happened. It is both."""
 
 
+def refuse_url(path: Any, action: str) -> None:
+    """A checkpoint at a URL: refused before anything is written or read, rather than written to a local folder
+    named after its scheme (``Path("s3://bucket/run")`` is the local ``s3:/bucket/run``)."""
+    if _format.is_url(str(path)):
+        raise NotImplementedError(
+            f"Cannot {action} the checkpoint {str(path)!r}: lightning_fsdp_resume reads and writes FSDP checkpoints on"
+            " local (or mounted) file systems only, not at URLs. Nothing was written. Save to a local directory (a"
+            " ModelCheckpoint dirpath or path on a disk, or an object store mounted as one) and copy it from there."
+        )
+
+
 def not_a_checkpoint(path: Path) -> str:
     """Native Lightning 2.1's phrase for a path it cannot load, so that code matching it keeps matching."""
     return f"The path {str(path)!r} does not point to a valid checkpoint"
