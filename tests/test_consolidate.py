@@ -791,5 +791,6 @@ def test_benchmark_reports_consolidate_memory_for_each_output(handmade, tmp_path
                              "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     rows = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows == ["consolidate output", "torch, full", "torch, --weights-only", "safetensors", "safetensors, --dtype bf16"]
+    assert rows == ["consolidate output", "torch, full", "torch, --weights-only", "safetensors", "safetensors, --dtype bf16",
+                    "read whole, no file (load_from_checkpoint)"]
     assert "largest weight tensor" in result.stdout and not list(tmp_path.iterdir())
