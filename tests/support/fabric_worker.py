@@ -30,7 +30,7 @@ from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
 if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/fabric_worker.py`): `support` is in tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support import states  # noqa: E402
+from support import models, states  # noqa: E402
 from support.faults import kill_during_saves  # noqa: E402
 from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
 
@@ -45,9 +45,9 @@ MISSING_DEFAULT = "kept"
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, variant: str = "plain") -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.body = models.body(variant)
         self.head = nn.Linear(16, 2)
 
     def forward(self, x):
@@ -63,23 +63,9 @@ class GrownNet(Net):
         self.register_buffer("scale", torch.full((2,), 3.0))  # not a parameter: FSDP does not shard it
 
 
-class DropoutNet(Net):
-    """``--net dropout``: each step's masks come from the rank's random number generator."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 16))
-
-
-class BufferedNet(Net):
-    """``--net buffered``: BatchNorm's running statistics, which each rank updates from its own batches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16))
-
-
-NETS = {"net": Net, "dropout": DropoutNet, "buffered": BufferedNet}
+# --net: the body's variant (support/models.py): dropout's masks come from each rank's random number generator,
+# batch normalisation's running statistics from each rank's own batches
+NETS = {"net": "plain", "dropout": "dropout", "buffered": "batchnorm"}
 
 
 def batches(rank: int, world_size: int):
@@ -116,7 +102,7 @@ class Run:
         # Needed under torchrun too: it joins the process group, and Fabric 2.1+ refuses setup_module without it.
         self.fabric.launch()
         torch.manual_seed(0)  # every rank builds the same model, which FSDP then shards
-        self.model = self.fabric.setup_module((GrownNet if args.grown else NETS[args.net])())
+        self.model = self.fabric.setup_module(GrownNet() if args.grown else Net(NETS[args.net]))
         self.optimizer = self.fabric.setup_optimizers(torch.optim.Adam(self.model.parameters(), lr=LR))
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=GAMMA)
         self.epoch, self.step, self.loss = -1, 0, None

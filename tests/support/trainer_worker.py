@@ -19,7 +19,7 @@ from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_
 if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/trainer_worker.py`): `support` is in tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support import states  # noqa: E402
+from support import models, states  # noqa: E402
 from support.faults import kill_during_saves  # noqa: E402
 from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
 
@@ -32,7 +32,7 @@ class Net(L.LightningModule):
     def __init__(self, optimizers: int = 1) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.body = models.body()
         self.head = nn.Linear(16, 2)
         self.automatic_optimization = optimizers == 1
 
@@ -102,7 +102,7 @@ class BufferedNet(Net):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16))
+        self.body = models.body("batchnorm")
 
 
 class DropoutNet(Net):
@@ -110,7 +110,7 @@ class DropoutNet(Net):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 16))
+        self.body = models.body("dropout")
 
 
 class BuiltNet(Net):
