@@ -29,6 +29,8 @@ FSDP_STRATEGY_PATCHES = {
     "load_checkpoint": _strategy.load_checkpoint,
     "load_model_state_dict": _strategy.load_model_state_dict,
     "load_optimizer_state_dict": _strategy.load_optimizer_state_dict,
+    # each rank's RNG states and buffers, restored as the resumed fit starts training
+    "on_train_start": Wrap(_strategy.wrap_on_train_start),
 }
 
 FABRIC_FSDP_STRATEGY_PATCHES = {

@@ -64,6 +64,12 @@ def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
 def restore(states: Any, module: Any, where: str = "The checkpoint") -> None:
     """This rank's RNG states and buffers from ``states`` (a checkpoint's ``rank_states``) when the world size is
     the one that saved them; otherwise a one-line warning on rank 0 and nothing restored."""
+    if restore_buffers(states, module, where):
+        restore_rng(states)
+
+
+def restore_buffers(states: Any, module: Any, where: str = "The checkpoint") -> bool:
+    """This rank's buffers from ``states``; False, after a one-line warning on rank 0, on another world size."""
     import torch
 
     rank, world_size = _rank_and_world_size()
@@ -76,9 +82,22 @@ def restore(states: Any, module: Any, where: str = "The checkpoint") -> None:
                 f"{where} was saved by {saved} ranks and is resumed on {world_size}: each rank's random number"
                 " generator states and rank-local buffers are not restored (every rank has rank 0's buffers)."
             )
-        return
-    state = states[rank]
-    rng = state["rng"]
+        return False
+    buffers = states[rank]["buffers"]
+    if module is not None and buffers:
+        mine = _buffers(module)
+        with torch.no_grad():
+            for name, value in buffers.items():
+                if name in mine:
+                    mine[name].copy_(value)
+    return True
+
+
+def restore_rng(states: List[Dict[str, Any]]) -> None:
+    """This rank's random number generator states from ``states``, whose world size ``restore_buffers`` checked."""
+    import torch
+
+    rng = states[_rank_and_world_size()[0]]["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     if "cuda" in rng and torch.cuda.is_available():
@@ -87,13 +106,6 @@ def restore(states: Any, module: Any, where: str = "The checkpoint") -> None:
     if "numpy" in rng and numpy is not None:
         kind, keys, *rest = rng["numpy"]
         numpy.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
-    if module is None or not state["buffers"]:
-        return
-    mine = _buffers(module)
-    with torch.no_grad():
-        for name, value in state["buffers"].items():
-            if name in mine:
-                mine[name].copy_(value)
 
 
 def _rank_and_world_size():

@@ -26,6 +26,8 @@ def wrap_init(original_init: Callable) -> Callable:
 # Where a LightningModule keeps the FSDP root its first run wrapped it in: in its own ``__dict__`` (not as a
 # submodule), because the weights of the root unit live in that root's flat parameters.
 _ROOT_ATTRIBUTE = "_lightning_fsdp_resume_root"
+# Where load_checkpoint leaves the rank states of the checkpoint fit resumes, for on_train_start
+_PENDING_RANK_STATES = "_lightning_fsdp_resume_rank_states"
 
 
 def wrap_setup_model(original_setup_model: Callable) -> Callable:
@@ -133,10 +135,27 @@ def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
     take = functools.partial(_stored, keep_optimizer_states=True)
     rest = _loading.load(self, checkpoint_path, _loading.checked_kind, functools.partial(_plan, self), take, "state_dict")
     states = rest.pop(_rank_states.KEY, None)
+    # Evaluation runs with the model's copy of the buffers (rank 0's), as every other reader does.
     if states is not None and _fitting(self):
-        # evaluation runs with the model's copy of the buffers (rank 0's), as every other reader of the checkpoint
-        _rank_states.restore(states, self.model, where=f"The checkpoint {str(checkpoint_path)!r}")
+        if _rank_states.restore_buffers(states, self.model, where=f"The checkpoint {str(checkpoint_path)!r}"):
+            # the generators when training starts (on_train_start): Lightning 2.0.x before 2.0.9 draws a random
+            # number between here and then (iter(dataloader) in setup_data), which the uninterrupted run drew
+            # before it saved
+            vars(self)[_PENDING_RANK_STATES] = states
     return rest
+
+
+def wrap_on_train_start(original_on_train_start: Callable) -> Callable:
+    """Each rank's RNG states and buffers from the checkpoint ``fit`` resumes, right before its first epoch."""
+
+    @functools.wraps(original_on_train_start)
+    def on_train_start(self: Any) -> None:
+        original_on_train_start(self)
+        states = vars(self).pop(_PENDING_RANK_STATES, None)
+        if states is not None:
+            _rank_states.restore_rng(states)
+
+    return on_train_start
 
 
 def _plan(self: Any, path: Path, saved_optimizers: int, _: Any) -> _loading.Restore:
