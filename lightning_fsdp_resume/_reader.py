@@ -18,7 +18,7 @@ def wrap_load(original_load: Callable) -> Callable:
 
     @functools.wraps(original_load)
     def _load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(path_or_url, (str, Path)) and "://" not in str(path_or_url) and Path(path_or_url).is_dir():
+        if isinstance(path_or_url, (str, Path)) and not _format.is_url(str(path_or_url)) and Path(path_or_url).is_dir():
             return read_whole(Path(path_or_url), map_location)
         return original_load(path_or_url, map_location, *args, **kwargs)
 
