@@ -15,6 +15,7 @@ Weights only (``weights_only``, ``dtype``): the model's tensors alone are read, 
 safetensors format they are read, cast and written one at a time (``_safetensors``), so memory stays near
 the largest tensor.
 """
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -367,7 +368,7 @@ def _tensor_spec(src: Path, key: str, path: Sequence[Any], stored: Any, cast: An
             " --weights-only instead."
         )
     shape = tuple(stored.size)
-    return _safetensors.TensorSpec(str(path[1]), name, shape, _numel(shape) * dtype.itemsize)
+    return _safetensors.TensorSpec(str(path[1]), name, shape, math.prod(shape) * dtype.itemsize)
 
 
 def _written_dtype(stored: Any, cast: Any) -> Any:
@@ -409,14 +410,7 @@ def _memory_of(tensor: Any) -> memoryview:
 
 
 def _stored_bytes(stored: Any) -> int:
-    return _numel(stored.size) * stored.properties.dtype.itemsize
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+    return math.prod(stored.size) * stored.properties.dtype.itemsize
 
 
 # --- checks and writing -----------------------------------------------------------------------------
