@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import _atomic, _format, _safetensors, _verify
+from . import _format, _remote, _safetensors, _saving, _verify
 from . import _torch_compat as compat
+from ._remote import AnyPath
 
 # Output formats: torch's checkpoint file (what a full save writes), or a safetensors file of the weights.
 TORCH, SAFETENSORS = "torch", "safetensors"
@@ -49,7 +50,7 @@ class Summary(NamedTuple):
 
 
 def consolidate(
-    src: Path, dst: Path, overwrite: bool = False, progress: bool = True, *, weights_only: bool = False,
+    src: Any, dst: Any, overwrite: bool = False, progress: bool = True, *, weights_only: bool = False,
     dtype: Optional[str] = None, format: str = TORCH, module: Optional[str] = None,
 ) -> Summary:
     """Write the full checkpoint of the sharded checkpoint directory ``src`` to the file ``dst``.
@@ -61,9 +62,9 @@ def consolidate(
     ``module``: the Fabric module entry to write, for weights-only output.
 
     ``src`` is only read. ``dst`` appears complete or not at all: it is written to a temporary file
-    beside it, then renamed.
+    beside it, then renamed (at a URL: copied in one step). Either may be a URL (``_remote``).
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = _remote.resolve(_remote.location(src, "read")), _remote.location(dst, "write")
     _check_options(weights_only, dtype, format, module)
     _check_destination(src, dst, overwrite)
     _check_torch()
@@ -79,7 +80,7 @@ def consolidate(
     return summary
 
 
-def read_full_checkpoint(src: Path, progress: bool = False) -> Tuple[Dict[str, Any], Summary]:
+def read_full_checkpoint(src: AnyPath, progress: bool = False) -> Tuple[Dict[str, Any], Summary]:
     """The full checkpoint held by the sharded directory ``src``, in its writer's full format, and what it holds."""
     metadata = compat.read_shard_index(src)
     flat, tensor_bytes = _read_flat(src, metadata, progress)
@@ -93,7 +94,7 @@ def read_full_checkpoint(src: Path, progress: bool = False) -> Tuple[Dict[str, A
     return {**meta, **entries}, Summary(writer, weights, optimizers, tensor_bytes)
 
 
-def _read_weights(src: Path, dtype: Optional[str], module: Optional[str], progress: bool) -> Tuple[Dict[str, Any], Summary]:
+def _read_weights(src: AnyPath, dtype: Optional[str], module: Optional[str], progress: bool) -> Tuple[Dict[str, Any], Summary]:
     """The weights-only checkpoint of ``src``, reading the model's tensors alone."""
     metadata = compat.read_shard_index(src)
     meta = _verify.read_meta(src)
@@ -123,7 +124,7 @@ class _Weights(NamedTuple):
         return {entry: len(keys) for entry, keys in self.keys.items()}
 
 
-def _select_weights(src: Path, metadata: Any, meta: Dict[str, Any], module: Optional[str]) -> _Weights:
+def _select_weights(src: AnyPath, metadata: Any, meta: Dict[str, Any], module: Optional[str]) -> _Weights:
     """Which stored keys are the model's weights: the Trainer's ``model`` entry; Fabric's module entries, or
     the one named ``module``."""
     paths = _planner_paths(metadata, src)
@@ -218,7 +219,7 @@ def _with_state(state: Dict[str, Any]) -> Dict[str, Any]:
 # --- reading the shards ----------------------------------------------------------------------------
 
 
-def _read_flat(src: Path, metadata: Any, progress: bool, keys: Optional[Sequence[str]] = None):
+def _read_flat(src: AnyPath, metadata: Any, progress: bool, keys: Optional[Sequence[str]] = None):
     """Every stored key (or those of ``keys``), as ``.metadata`` names it, read into tensors allocated once
     at full size."""
     import torch
@@ -258,7 +259,7 @@ def _planner(objects: Dict[str, Any], advance: Callable[[int], None]) -> Any:
     return FlatLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
-def _nest(flat: Dict[str, Any], metadata: Any, src: Path) -> Dict[str, Any]:
+def _nest(flat: Dict[str, Any], metadata: Any, src: AnyPath) -> Dict[str, Any]:
     """Rebuild the saved nesting (``{"model": {...}, "optimizer_0": {...}}``) from the flat keys.
 
     The saver recorded each flat key's path (``("optimizer_0", "state", "body.0.weight", "exp_avg")``)
@@ -271,7 +272,7 @@ def _nest(flat: Dict[str, Any], metadata: Any, src: Path) -> Dict[str, Any]:
     return root
 
 
-def _planner_paths(metadata: Any, src: Path) -> Dict[str, Sequence[Any]]:
+def _planner_paths(metadata: Any, src: AnyPath) -> Dict[str, Sequence[Any]]:
     """Each stored key's nested path, which a sharded save records; refused where it is missing."""
     paths = metadata.planner_data
     if not isinstance(paths, dict) or any(key not in paths for key in metadata.state_dict_metadata):
@@ -311,7 +312,7 @@ def _set(node: Any, step: Any, value: Any) -> None:
 # --- safetensors: one tensor at a time -------------------------------------------------------------
 
 
-def _write_safetensors(src: Path, dst: Path, dtype: Optional[str], module: Optional[str], progress: bool) -> Summary:
+def _write_safetensors(src: AnyPath, dst: AnyPath, dtype: Optional[str], module: Optional[str], progress: bool) -> Summary:
     """One module's weights as a safetensors file: the header from the shard index, then each tensor read
     from the shards, cast and written before the next is read."""
     metadata = compat.read_shard_index(src)
@@ -338,8 +339,8 @@ def _write_safetensors(src: Path, dst: Path, dtype: Optional[str], module: Optio
             yield _memory_of(tensor)
             del tensor  # freed before the next one is read
 
-    def write(partial: Path) -> None:
-        with open(partial, "wb") as handle:
+    def write(partial: AnyPath) -> None:
+        with partial.open("wb") as handle:
             _safetensors.write(handle, specs, _safetensors_metadata(selected.writer, entry, meta), chunks())
 
     try:
@@ -350,7 +351,7 @@ def _write_safetensors(src: Path, dst: Path, dtype: Optional[str], module: Optio
     return Summary(selected.writer, selected.counts(), (), stored_bytes)
 
 
-def _tensor_spec(src: Path, key: str, path: Sequence[Any], stored: Any, cast: Any) -> _safetensors.TensorSpec:
+def _tensor_spec(src: AnyPath, key: str, path: Sequence[Any], stored: Any, cast: Any) -> _safetensors.TensorSpec:
     """The header entry of one stored weight; refuses what a safetensors file cannot hold."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -387,7 +388,7 @@ def _safetensors_metadata(writer: str, entry: str, meta: Dict[str, Any]) -> Dict
     return found
 
 
-def _read_tensor(src: Path, key: str, stored: Any, advance: Callable[[int], None]) -> Any:
+def _read_tensor(src: AnyPath, key: str, stored: Any, advance: Callable[[int], None]) -> Any:
     """The stored tensor ``key`` alone, read from its shards into one tensor of its full size."""
     import torch
 
@@ -445,7 +446,7 @@ def _check_torch() -> None:
         )
 
 
-def _check_source(src: Path) -> None:
+def _check_source(src: AnyPath) -> None:
     """Missing, incomplete or damaged sharded checkpoints are refused by the checks a load makes."""
     if _verify.checkpoint_kind(src) == _verify.FULL:
         raise ValueError(
@@ -454,10 +455,10 @@ def _check_source(src: Path) -> None:
         )
 
 
-def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+def _check_destination(src: AnyPath, dst: AnyPath, overwrite: bool) -> None:
     if dst.is_dir():
         raise IsADirectoryError(f"The destination {str(dst)!r} is a directory; a full checkpoint is one file. Name a file.")
-    if src.resolve() in dst.resolve().parents:
+    if isinstance(src, Path) and isinstance(dst, Path) and src.resolve() in dst.resolve().parents:
         raise ValueError(
             f"The destination {str(dst)!r} lies inside the sharded checkpoint {str(src)!r}, which consolidation"
             " never modifies. Write the file elsewhere."
@@ -468,19 +469,19 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         )
 
 
-def write_atomically(checkpoint: Dict[str, Any], dst: Path) -> None:
+def write_atomically(checkpoint: Dict[str, Any], dst: AnyPath) -> None:
     """``torch.save`` into a hidden sibling of ``dst``, flushed to the disk, then renamed over ``dst``."""
     _write_atomically(dst, lambda partial: compat.save_file(checkpoint, partial))
 
 
-def _write_atomically(dst: Path, write: Callable[[Path], None]) -> None:
+def _write_atomically(dst: AnyPath, write: Callable[[AnyPath], None]) -> None:
     """``write`` a hidden sibling of ``dst``, flushed to the disk, then renamed over ``dst``; on failure, nothing is left."""
     import secrets
 
-    _atomic.write_file(dst, _atomic.partial_path(dst, secrets.token_hex(8)), write)
+    _saving.write_file(dst, _saving.partial_path(dst, secrets.token_hex(8)), write)
 
 
-def _say_writing(dst: Path, progress: bool) -> None:
+def _say_writing(dst: AnyPath, progress: bool) -> None:
     if progress:
         print(f"consolidate: writing {str(dst)!r}", file=sys.stderr, flush=True)
 

@@ -16,8 +16,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from . import _format, _loading, _saving, _signature, _verify
+from . import _format, _loading, _remote, _saving, _signature, _verify
 from . import _torch_compat as compat
+from ._remote import AnyPath
 
 # Native Fabric 2.1 refuses FSDP checkpoints on torch < 2.0 at save and load, not in __init__.
 OLD_TORCH_ERROR = "Saving and loading checkpoints with the `FSDPStrategy` is not supported in PyTorch < 2.0. Please upgrade `torch`."
@@ -42,7 +43,7 @@ def save_checkpoint(
     from torch.optim import Optimizer
 
     _refuse_old_torch()
-    _verify.refuse_url(path, "save")  # before the state is checked: what the path is decides first
+    _remote.location(path, "save")  # before the state is checked: a URL no fsspec implementation serves is refused first
     _saving.refuse_storage_options(storage_options)
     full = _saving.is_full(self)
     if filter is not None and not full:
@@ -82,7 +83,7 @@ def load_checkpoint(
     from torch.optim import Optimizer
 
     _refuse_old_torch()
-    _verify.refuse_url(path, "load")
+    _remote.location(path, "load")
     if not state:
         raise ValueError(
             f"Got FSDPStrategy.load_checkpoint(..., state={state!r}) but a state with at least  a model instance to"
@@ -104,7 +105,7 @@ def load_checkpoint(
     requested = optimizer_keys + module_keys + other_keys
     check = functools.partial(_checked, module_key=module_key, requested=requested, strict=strict)
 
-    def plan(path: Path, saved_optimizers: int, entries: Set[str]) -> _loading.Restore:
+    def plan(path: AnyPath, saved_optimizers: int, entries: Set[str]) -> _loading.Restore:
         return _loading.Restore(
             module=module,
             prefix="",  # Fabric wraps the FSDP module from outside: its names are the user's
@@ -130,7 +131,7 @@ def load_checkpoint(
 def _load_raw_module(self: Any, path: Any, module: Any, strict: bool, weights_only: bool) -> None:
     """``Fabric.load_raw(path, module)``: a file holding the module's state dict, loaded into its shards."""
 
-    def plan(path: Path, saved_optimizers: int, _: Any) -> _loading.Restore:
+    def plan(path: AnyPath, saved_optimizers: int, _: Any) -> _loading.Restore:
         return _loading.Restore(
             module=module, prefix="", module_key="", optimizers={}, strict=strict, use_orig_params=False,
             leniency=_verify.FABRIC_LENIENCY,
@@ -139,7 +140,7 @@ def _load_raw_module(self: Any, path: Any, module: Any, strict: bool, weights_on
     _loading.load(self, path, _checked_raw, plan, lambda checkpoint: {"": checkpoint}, weights_only=weights_only)
 
 
-def _checked_raw(path: Path, weights_only: bool) -> Tuple[_format.StateDictType, None]:
+def _checked_raw(path: AnyPath, weights_only: bool) -> Tuple[_format.StateDictType, None]:
     """Rank 0: ``load_raw`` takes one file of a module's state dict."""
     refusal = "Failed to load checkpoint directly into the model. The given path must be a single file containing the full state dict"
     try:
@@ -155,7 +156,7 @@ def _checked_raw(path: Path, weights_only: bool) -> Tuple[_format.StateDictType,
 
 
 def _checked(
-    path: Path, weights_only: bool, module_key: str, requested: List[str], strict: bool,
+    path: AnyPath, weights_only: bool, module_key: str, requested: List[str], strict: bool,
 ) -> Tuple[_format.StateDictType, Set[str]]:
     """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
     kind = _verify.checkpoint_kind(path, weights_only)
@@ -312,8 +313,9 @@ def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_onl
     from torch.nn.parallel import DistributedDataParallel
 
     # other strategies of 2.0.x: what native 2.1's base one does, through the strategy's CheckpointIO
-    if isinstance(path, (str, Path)) and Path(path).is_dir():
-        _checked_raw(Path(path), bool(weights_only))  # a sharded checkpoint holds no single state dict: refused
+    source = _remote.resolve(_remote.location(path, "load")) if isinstance(path, (str, Path)) else None
+    if source is not None and source.is_dir():
+        _checked_raw(source, bool(weights_only))  # a sharded checkpoint holds no single state dict: refused
     state = self._strategy.checkpoint_io.load_checkpoint(path)
     if isinstance(obj, DistributedDataParallel):
         obj = obj.module  # the state dict is the module's own, without DDP's "module." prefix

@@ -6,12 +6,12 @@ What differs between the two strategies is passed in: which checkpoint entries h
 optimizers, the module's name prefix, strictness, what else rank 0 checks. Nothing here knows about
 patching or about the Trainer or Fabric.
 """
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from . import _format, _verify
+from . import _format, _remote, _verify
 from . import _torch_compat as compat
 from ._ranks import broadcast, decided_on_rank_zero, warn_rank_zero
+from ._remote import AnyPath
 
 
 class Restore(NamedTuple):
@@ -32,9 +32,9 @@ class Restore(NamedTuple):
 
 
 # rank 0's verdict on a path (and weights_only): the checkpoint's kind and whatever else the strategy checked
-Check = Callable[[Path, bool], Tuple[_format.StateDictType, Any]]
+Check = Callable[[AnyPath, bool], Tuple[_format.StateDictType, Any]]
 # (path, the number of optimizer states the checkpoint holds, the rest of rank 0's verdict) -> what to load
-Plan = Callable[[Path, int, Any], Restore]
+Plan = Callable[[AnyPath, int, Any], Restore]
 # a full file's module and optimizer entries, taken out of it under the keys a sharded checkpoint stores them by
 Take = Callable[[Dict[str, Any]], Dict[str, Any]]
 
@@ -51,9 +51,9 @@ def load(
     before anything is loaded and every rank raises its verdict, so none waits in a collective.
     """
     target = broadcast(strategy, str(path))
-    _verify.refuse_url(target, "load")
-    path = Path(target)
-    kind, verdict = decided_on_rank_zero(strategy, check, path, weights_only)
+    # rank 0 follows a URL's pointer once: every rank reads that data, even if a save commits another meanwhile
+    resolved, kind, verdict = decided_on_rank_zero(strategy, _resolved_and_checked, target, check, weights_only)
+    path = _remote.location(resolved, "load")
     if kind == _format.SHARDED:
         shards = compat.read_shard_index(path)
         restore = plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
@@ -68,12 +68,18 @@ def load(
     return checkpoint
 
 
-def checked_kind(path: Path, weights_only: bool) -> Tuple[_format.StateDictType, None]:
+def _resolved_and_checked(target: str, check: Check, weights_only: bool) -> Tuple[str, _format.StateDictType, Any]:
+    path = _remote.resolve(_remote.location(target, "load"))
+    kind, verdict = check(path, weights_only)
+    return str(path), kind, verdict
+
+
+def checked_kind(path: AnyPath, weights_only: bool) -> Tuple[_format.StateDictType, None]:
     """A ``Check`` that asks only for a complete checkpoint."""
     return _verify.checkpoint_kind(path, weights_only), None
 
 
-def load_sharded(path: Path, restore: Restore, shards: Any) -> None:
+def load_sharded(path: AnyPath, restore: Restore, shards: Any) -> None:
     """Load ``restore`` from the sharded checkpoint at ``path`` whose index (``.metadata``) is ``shards``."""
     module, prefix, key = restore.module, restore.prefix, restore.module_key
     stored = _verify.stored_model_shapes(shards, key)
@@ -102,7 +108,7 @@ def load_sharded(path: Path, restore: Restore, shards: Any) -> None:
 
 
 def load_full(
-    strategy: Any, path: Path, restore: Restore, state_dict: Dict[str, Any], optimizer_states: Dict[str, Any],
+    strategy: Any, path: AnyPath, restore: Restore, state_dict: Dict[str, Any], optimizer_states: Dict[str, Any],
     other_states: Optional[Dict[str, Any]] = None,
 ) -> None:
     """Load ``restore`` from a full checkpoint's weights, optimizer states and other modules' state dicts (by
@@ -150,11 +156,11 @@ def names_by_group(restore: Restore, groups: List[List[str]]) -> List[List[str]]
     return [_format.in_module_order(names, modules) for names in groups]
 
 
-def _other_module_keys(path: Path, restore: Restore, wanted: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
+def _other_module_keys(path: AnyPath, restore: Restore, wanted: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
     return _verify.loadable_keys(path, _verify.tensor_shapes(wanted), stored, restore.strict, restore.leniency)
 
 
-def _loadable_keys(path: Path, restore: Restore, expected: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
+def _loadable_keys(path: AnyPath, restore: Restore, expected: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
     keys = _verify.loadable_keys(path, expected, stored, restore.strict, restore.leniency)
     missing = sorted(set(expected) - keys)
     if missing and restore.optimizers and not restore.optimizers_without_weights:

@@ -7,7 +7,7 @@ Lightning 2.1 and newer define every one of these itself.
 """
 from typing import Any, Dict, Tuple
 
-from . import _fabric, _reader, _strategy
+from . import _fabric, _model_checkpoint, _reader, _strategy
 from ._patcher import Wrap
 from ._versions import FABRIC, TRAINER
 
@@ -29,6 +29,8 @@ FSDP_STRATEGY_PATCHES = {
     "load_checkpoint": _strategy.load_checkpoint,
     "load_model_state_dict": _strategy.load_model_state_dict,
     "load_optimizer_state_dict": _strategy.load_optimizer_state_dict,
+    # save_top_k at a URL: a sharded checkpoint's pointer, then its data
+    "remove_checkpoint": Wrap(_strategy.wrap_remove_checkpoint),
     # each rank's RNG states and buffers, restored as the resumed fit starts training
     "on_train_start": Wrap(_strategy.wrap_on_train_start),
 }
@@ -61,6 +63,9 @@ LOAD_FROM_CHECKPOINT_PATCHES = {
     "_load_state": Wrap(_reader.wrap_load_state),
 }
 
+# ckpt_path="last" finds the last checkpoint of a dirpath at a URL
+MODEL_CHECKPOINT_PATCHES = {"_find_last_checkpoints": Wrap(_model_checkpoint.wrap_find_last_checkpoints)}
+
 # (flavour kind, Target.label: the class name, or the module's path below the flavour's package) -> table
 TABLES: Dict[Tuple[str, str], Dict[str, Any]] = {
     (TRAINER, "FSDPStrategy"): FSDP_STRATEGY_PATCHES,
@@ -69,4 +74,5 @@ TABLES: Dict[Tuple[str, str], Dict[str, Any]] = {
     (FABRIC, "utilities.cloud_io"): CHECKPOINT_READER_PATCHES,
     (FABRIC, "plugins.io.torch_io"): CHECKPOINT_READER_ALIAS_PATCHES,
     (TRAINER, "core.saving"): LOAD_FROM_CHECKPOINT_PATCHES,
+    (TRAINER, "ModelCheckpoint"): MODEL_CHECKPOINT_PATCHES,
 }

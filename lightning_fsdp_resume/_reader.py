@@ -9,17 +9,21 @@ import functools
 from pathlib import Path
 from typing import Any, Callable, Dict
 
-from . import _consolidate, _format, _verify
+from . import _consolidate, _format, _remote, _verify
 from ._patcher import Patcher, Wrap
+from ._remote import AnyPath
 
 
 def wrap_load(original_load: Callable) -> Callable:
-    """``cloud_io._load(path_or_url, map_location=None, ...)``, reading a local sharded checkpoint directory too."""
+    """``cloud_io._load(path_or_url, map_location=None, ...)``, reading a sharded checkpoint too: a directory, or at a
+    URL the data its pointer names (``_remote``)."""
 
     @functools.wraps(original_load)
     def _load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(path_or_url, (str, Path)) and not _format.is_url(str(path_or_url)) and Path(path_or_url).is_dir():
-            return read_whole(Path(path_or_url), map_location)
+        if isinstance(path_or_url, (str, Path)):
+            source = _remote.resolve(_remote.location(path_or_url, "load"))
+            if source.is_dir():
+                return read_whole(source, map_location)
         return original_load(path_or_url, map_location, *args, **kwargs)
 
     return _load
@@ -61,7 +65,7 @@ def _configure_first(on_load_checkpoint: Any) -> Callable:
     return hook
 
 
-def read_whole(path: Path, map_location: Any = None) -> Dict[str, Any]:
+def read_whole(path: AnyPath, map_location: Any = None) -> Dict[str, Any]:
     """The full checkpoint held by the sharded directory ``path``, its tensors placed as ``map_location`` says
     (as ``torch.load`` places them; the shards are read onto the CPU first).
 

@@ -5,12 +5,11 @@ checkpoint at its path only once it is complete (the previous one stays whole un
 full one is written) is passed in. Nothing here knows about patching or about the Trainer or Fabric.
 """
 import secrets
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import _atomic, _format, _verify
+from . import _atomic, _format, _remote
 from . import _torch_compat as compat
-from ._ranks import barrier, broadcast
+from ._ranks import barrier, broadcast, decided_on_rank_zero
 
 
 def is_full(strategy: Any) -> bool:
@@ -47,44 +46,78 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
     sibling; rank 0 puts it at ``filepath`` once every rank has finished.
 
     Native 2.1.4 writes in place: a crash mid-save leaves a mix of old and new shards that loads. Here the
-    previous checkpoint at ``filepath`` stays intact until the new one is complete.
+    previous checkpoint at ``filepath`` stays intact until the new one is complete: on a local disk the partial
+    directory is renamed into place, at a URL its pointer is written (``_remote``).
     """
     path, partial = _destination(strategy, filepath, full=False)
     partial.mkdir(parents=True, exist_ok=True)
     compat.save_distributed(stored, partial)
-    if strategy.global_rank == 0:
-        compat.save_file(metadata, partial / _format.METADATA_FILENAME)
-    barrier(strategy)  # every rank's shards are on disk
-    if strategy.global_rank == 0:
+    barrier(strategy)  # every rank's shards are written
+    # rank 0 finishes; the others wait for it and raise its error (a store that refused meta.pt, say) with it
+    decided_on_rank_zero(strategy, _publish_sharded, partial, path, metadata)
+
+
+def _publish_sharded(partial: Any, path: Any, metadata: Dict[str, Any]) -> None:
+    compat.save_file(metadata, partial / _format.METADATA_FILENAME)
+    if isinstance(path, _remote.RemotePath):
+        _remote.commit(partial, path)
+    else:
         _atomic.publish(partial, path)
-        _remove_leftovers(path)
-    barrier(strategy)
+    _remove_leftovers(path)
 
 
-def write_full(strategy: Any, filepath: Any, write: Callable[[Path], None]) -> None:
-    """Rank 0 ``write``s the whole checkpoint to a hidden partial sibling and puts it at ``filepath``."""
+def write_full(strategy: Any, filepath: Any, write: Callable[[Any], None]) -> None:
+    """Rank 0 ``write``s the whole checkpoint to a hidden partial sibling and puts it at ``filepath``; the other
+    ranks wait for it, and raise its error with it."""
     path, partial = _destination(strategy, filepath, full=True)
-    if strategy.global_rank == 0:
+    decided_on_rank_zero(strategy, _publish_full, path, partial, write)
+
+
+def _publish_full(path: Any, partial: Any, write: Callable[[Any], None]) -> None:
+    write_file(path, partial, write)
+    _remove_leftovers(path)
+
+
+def write_file(path: Any, partial: Any, write: Callable[[Any], None]) -> None:
+    """``write(partial)``, then put it at ``path`` (a local path or a URL) in one step."""
+    if isinstance(path, _remote.RemotePath):
+        _remote.write_file(path, partial, write)
+    else:
         _atomic.write_file(path, partial, write)
-        _remove_leftovers(path)
-    barrier(strategy)
 
 
-def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Path, Path]:
+def partial_path(path: Any, token: str) -> Any:
+    """Where a save to ``path`` writes until it is complete."""
+    if isinstance(path, _remote.RemotePath):
+        return _remote.data_path(path, token)
+    return _atomic.partial_path(path, token)
+
+
+def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Any, Any]:
     """The path rank 0 names and the partial sibling every rank writes into. A full save replaces a sharded
-    checkpoint but no other directory, not even an empty one (as native 2.1 refuses)."""
+    checkpoint but no other directory, not even an empty one (as native 2.1 refuses); at a URL, no directory."""
     target, token = broadcast(strategy, (str(filepath), secrets.token_hex(8)))
-    _verify.refuse_url(target, "save")
-    path = Path(target)
-    if path.is_dir() and not (_format.is_replaceable_directory(path) and (not full or any(path.iterdir()))):
+    path = _remote.location(target, "save")
+    decided_on_rank_zero(strategy, _check_destination, path, full)
+    return path, partial_path(path, token)
+
+
+def _check_destination(path: Any, full: bool) -> None:
+    if not path.is_dir():
+        return
+    replaceable = not _remote.is_remote(path) and _format.is_replaceable_directory(path)
+    if not (replaceable and (not full or any(path.iterdir()))):
         raise IsADirectoryError(
-            f"The checkpoint path exists and is a directory: {path}. It is not a sharded checkpoint, so saving"
-            " would replace its contents. Choose another path or remove the directory."
+            f"The checkpoint path exists and is a directory: {path}. It is not a sharded checkpoint this package"
+            " saved there, so saving would replace its contents. Choose another path or remove the directory."
         )
-    return path, _atomic.partial_path(path, token)
 
 
-def _remove_leftovers(path: Path) -> None:
+def _remove_leftovers(path: Any) -> None:
     """Rank 0, once ``path`` is published: the checkpoint it replaced and any unfinished saves beside it go."""
+    if isinstance(path, _remote.RemotePath):
+        for remote in _remote.leftovers(path.parent):
+            remote.remove()
+        return
     for leftover in _atomic.leftovers(path.parent):
         _atomic.remove(leftover)

@@ -313,9 +313,11 @@ class ViewsReader:
             at += numel
 
     def read(self, path: Any) -> None:
-        from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint import load
 
-        load({}, storage_reader=FileSystemReader(str(path)), planner=_into_views_planner(self.views))
+        from ._torch_compat import storage_reader
+
+        load({}, storage_reader=storage_reader(path), planner=_into_views_planner(self.views))
 
 
 def _into_views_planner(views: Dict[str, List[Tuple[Tuple[int, ...], Any]]]) -> Any:

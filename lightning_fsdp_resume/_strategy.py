@@ -6,11 +6,11 @@ alike by touching Lightning only through the strategy object. What Fabric's stra
 ``_saving`` and ``_loading``.
 """
 import functools
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from . import _format, _loading, _rank_states, _ranks, _saving, _signature, _verify
+from . import _format, _loading, _rank_states, _ranks, _remote, _saving, _signature, _verify
 from . import _torch_compat as compat
+from ._remote import AnyPath
 
 OLD_TORCH_ERROR = (
     "Saving checkpoints with `FSDPStrategy(state_dict_type='sharded')` is not supported in PyTorch < 2.0."
@@ -122,11 +122,27 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     if states is not None:
         checkpoint[_rank_states.KEY] = states
     if _saving.is_full(self):
-        _saving.write_full(self, filepath, lambda partial: self.checkpoint_io.save_checkpoint(checkpoint, partial))
+        # a str: Lightning's CheckpointIO opens a URL with fsspec, a local path as it is
+        _saving.write_full(self, filepath, lambda partial: self.checkpoint_io.save_checkpoint(checkpoint, str(partial)))
         return
     stored = _stored(checkpoint, keep_optimizer_states=False)
     stored[_format.MODEL_KEY] = _saving.with_rank_zeros_buffers(self, stored[_format.MODEL_KEY])
     _saving.write_sharded(self, filepath, stored, checkpoint)
+
+
+def wrap_remove_checkpoint(original_remove_checkpoint: Callable) -> Callable:
+    """``ModelCheckpoint``'s removal of a checkpoint it no longer keeps (``save_top_k``): at a URL, the pointer goes
+    before the data it names, so that nothing half-removed is ever read. Lightning's removes the pointer alone."""
+
+    @functools.wraps(original_remove_checkpoint)
+    def remove_checkpoint(self: Any, filepath: Any) -> None:
+        path = _remote.location(filepath, "remove")
+        if not isinstance(path, _remote.RemotePath):
+            original_remove_checkpoint(self, filepath)
+        elif self.is_global_zero:
+            _remote.remove(path)
+
+    return remove_checkpoint
 
 
 def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
@@ -158,7 +174,7 @@ def wrap_on_train_start(original_on_train_start: Callable) -> Callable:
     return on_train_start
 
 
-def _plan(self: Any, path: Path, saved_optimizers: int, _: Any) -> _loading.Restore:
+def _plan(self: Any, path: AnyPath, saved_optimizers: int, _: Any) -> _loading.Restore:
     """validate/test/predict: the weights are all there is to load; fit: the optimizers too, as many as saved."""
     fitting = _fitting(self)
     if fitting:
@@ -206,7 +222,7 @@ def _prefix(self: Any) -> str:
     return ""
 
 
-def _check_optimizer_count(self: Any, saved: int, path: Path) -> None:
+def _check_optimizer_count(self: Any, saved: int, path: AnyPath) -> None:
     if saved == 0 and self.optimizers:
         raise _verify.weights_only_error(path)
     if saved != len(self.optimizers):

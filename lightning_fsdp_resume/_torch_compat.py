@@ -4,12 +4,13 @@ Each function does one thing the same way on every supported torch, choosing the
 expects. torch is imported inside the functions: importing the shim must not import torch.
 """
 import functools
+import io
 import os
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
 
-from . import _format, _shard_layout
+from . import _format, _remote, _shard_layout
+from ._remote import AnyPath
 
 # torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict, but
 # its version fails on a rank that holds no shard of a parameter ("Only single local shard is
@@ -157,7 +158,7 @@ def model_parameter_shapes(model: Any) -> Any:
     return _shard_layout.parameter_shapes(model) if _new_api() else None
 
 
-def read_model_into_shards(model: Any, path: Path, stored: Dict[str, str]) -> None:
+def read_model_into_shards(model: Any, path: AnyPath, stored: Dict[str, str]) -> None:
     """Read checkpoint entry ``stored[name]`` into each parameter ``name``'s local shard (a collective).
 
     get_model_state_dict's template gathers every FSDP unit to re-chunk it, and set_model_state_dict
@@ -194,7 +195,7 @@ def load_full_optimizer_state(model: Any, optimizer: Any, state: Dict[str, Any],
 
 
 def load_sharded_optimizer_state(
-    model: Any, optimizer: Any, model_state: Dict[str, Any], key: str, path: Path, shards: Any, prefix: str
+    model: Any, optimizer: Any, model_state: Dict[str, Any], key: str, path: AnyPath, shards: Any, prefix: str
 ) -> None:
     """Load optimizer ``key`` of a sharded checkpoint into this rank's shards.
 
@@ -202,8 +203,6 @@ def load_sharded_optimizer_state(
     the checkpoint's index (``read_shard_index``); ``prefix`` is what the model's parameter names have
     before the names the checkpoint stores.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     if _new_api():
         found = _shard_layout.layout(model, optimizer)
         if found is not None:
@@ -229,15 +228,14 @@ def load_sharded_optimizer_state(
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
         loaded = load_sharded_optimizer_state_dict(
-            model_state_dict=model_state, optimizer_key=key, storage_reader=FileSystemReader(str(path))
+            model_state_dict=model_state, optimizer_key=key, storage_reader=storage_reader(path)
         )
         state = loaded[key]
     load_optimizer_state_dict(model, optimizer, _format.add_optimizer_prefix(state, prefix), full=False)
 
 
-def _saved_param_groups(path: Path, key: str, index: Any) -> list:
+def _saved_param_groups(path: AnyPath, key: str, index: Any) -> list:
     """Optimizer ``key``'s param groups as saved: pickled objects, read from the shard files directly."""
-    import io
     import re
 
     import torch
@@ -249,7 +247,7 @@ def _saved_param_groups(path: Path, key: str, index: Any) -> list:
         field = re.fullmatch(re.escape(whole) + r"\.(\d+)\.(\w+)", fqn)
         if fqn != whole and not field:
             continue
-        with open(path / info.relative_path, "rb") as handle:
+        with (path / info.relative_path).open("rb") as handle:
             handle.seek(info.offset)
             value = torch.load(io.BytesIO(handle.read(info.length)), weights_only=False)
         if field is None:  # fqn == whole: the groups saved as one entry
@@ -268,33 +266,56 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def save_distributed(state: Dict[str, Any], path: Path) -> None:
+def storage_writer(path: Any) -> Any:
+    """torch.distributed.checkpoint's writer into the directory ``path``: a local one, or a URL through fsspec."""
     import torch.distributed.checkpoint as dcp
 
-    _run_dcp("save", state, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True))
+    if not _remote.is_remote(path):
+        return dcp.FileSystemWriter(str(path), single_file_per_rank=True)
+    # sync_files: object stores have nothing to fsync; an object is complete once its upload is
+    return _fsspec_storage("FsspecWriter", path)(str(path), single_file_per_rank=True, sync_files=False)
 
 
-def load_distributed(state: Dict[str, Any], path: Path) -> None:
+def storage_reader(path: Any) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    if not _remote.is_remote(path):
+        return dcp.FileSystemReader(str(path))
+    return _fsspec_storage("FsspecReader", path)(str(path))
+
+
+def _fsspec_storage(name: str, path: Any) -> Any:
+    """torch.distributed.checkpoint's fsspec storage class (torch 2.1 adds it, privately); refused before."""
+    try:
+        from torch.distributed.checkpoint import _fsspec_filesystem
+    except ImportError as error:
+        raise RuntimeError(
+            f"Sharded checkpoints at URLs ({str(path)!r}) need torch.distributed.checkpoint's fsspec storage, which"
+            f" torch {'.'.join(map(str, torch_release()))} does not have (torch 2.1 adds it). Upgrade torch, save"
+            " full checkpoints (`state_dict_type='full'`) to the URL, or save to a local directory."
+        ) from error
+    return getattr(_fsspec_filesystem, name)
+
+
+def save_distributed(state: Dict[str, Any], path: Any) -> None:
+    _run_dcp("save", state, storage_writer=storage_writer(path))
+
+
+def load_distributed(state: Dict[str, Any], path: Any) -> None:
     """Fill ``state`` (a template of the right shapes) in place from the checkpoint at ``path``."""
-    import torch.distributed.checkpoint as dcp
-
-    _run_dcp("load", state, storage_reader=dcp.FileSystemReader(str(path)))
+    _run_dcp("load", state, storage_reader=storage_reader(path))
 
 
-def read_shard_index(path: Path) -> Any:
+def read_shard_index(path: Any) -> Any:
     """A sharded checkpoint's ``.metadata``: every stored entry (``state_dict_metadata``, flattened keys
     with global shapes), where its bytes are (``storage_data``: file, offset, length) and, in
     ``planner_data``, the nested path each flattened key came from."""
-    import torch.distributed.checkpoint as dcp
-
-    return dcp.FileSystemReader(str(path)).read_metadata()
+    return storage_reader(path).read_metadata()
 
 
-def read_distributed_in_one_process(state: Dict[str, Any], path: Path, planner: Any) -> None:
+def read_distributed_in_one_process(state: Dict[str, Any], path: Any, planner: Any) -> None:
     """Fill the flat ``state`` (keys as the ``.metadata`` lists them) from ``path`` with no process group."""
-    import torch.distributed.checkpoint as dcp
-
-    _run_dcp("load", state, one_process=True, storage_reader=dcp.FileSystemReader(str(path)), planner=planner)
+    _run_dcp("load", state, one_process=True, storage_reader=storage_reader(path), planner=planner)
 
 
 def _run_dcp(verb: str, state: Dict[str, Any], one_process: bool = False, **kwargs: Any) -> None:
@@ -322,7 +343,7 @@ def _run_dcp(verb: str, state: Dict[str, Any], one_process: bool = False, **kwar
             deprecated(state, no_dist=True, **kwargs)
 
 
-def load_file(path: Path, lazy: bool, weights_only: bool = False) -> Any:
+def load_file(path: AnyPath, lazy: bool, weights_only: bool = False) -> Any:
     """``torch.load`` a Lightning checkpoint onto the CPU.
 
     ``weights_only=False`` by default, explicitly, because torch 2.6 changed the default and Lightning
@@ -331,6 +352,8 @@ def load_file(path: Path, lazy: bool, weights_only: bool = False) -> Any:
     """
     import torch
 
+    if _remote.is_remote(path):  # read whole into memory: an object cannot be memory-mapped
+        return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=weights_only)
     filename = str(path)  # torch 2.1/2.2 memory-map only a str filename, not a Path
     if lazy and torch_release() >= _LOAD_MMAP:
         try:
@@ -342,10 +365,14 @@ def load_file(path: Path, lazy: bool, weights_only: bool = False) -> Any:
     return torch.load(filename, map_location="cpu", weights_only=weights_only)
 
 
-def save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` flushed to the disk: it is about to be published by a rename."""
+def save_file(obj: Any, path: Any) -> None:
+    """``torch.save`` flushed to the disk: it is about to be published by a rename. At a URL: one object."""
     import torch
 
+    if _remote.is_remote(path):
+        with path.open("wb") as handle:
+            torch.save(obj, handle)
+        return
     with open(path, "wb") as handle:
         torch.save(obj, handle)
         handle.flush()

@@ -6,6 +6,7 @@ from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 from . import _atomic, _format
 from . import _torch_compat as compat
+from ._remote import AnyPath
 
 SHARDED, FULL = _format.SHARDED, _format.FULL
 _INDEX = _format.DCP_METADATA_FILENAME
@@ -16,23 +17,12 @@ class MissingCheckpointError(FileNotFoundError, ValueError):
     point to a valid checkpoint"); a ``FileNotFoundError`` says better what happened. It is both."""
 
 
-def refuse_url(path: Any, action: str) -> None:
-    """A checkpoint at a URL: refused before anything is written or read, rather than written to a local folder
-    named after its scheme (``Path("s3://bucket/run")`` is the local ``s3:/bucket/run``)."""
-    if _format.is_url(str(path)):
-        raise NotImplementedError(
-            f"Cannot {action} the checkpoint {str(path)!r}: lightning_fsdp_resume reads and writes FSDP checkpoints on"
-            " local (or mounted) file systems only, not at URLs. Nothing was written. Save to a local directory (a"
-            " ModelCheckpoint dirpath or path on a disk, or an object store mounted as one) and copy it from there."
-        )
-
-
-def not_a_checkpoint(path: Path) -> str:
+def not_a_checkpoint(path: AnyPath) -> str:
     """Native Lightning 2.1's phrase for a path it cannot load, so that code matching it keeps matching."""
     return f"The path {str(path)!r} does not point to a valid checkpoint"
 
 
-def checkpoint_kind(path: Path, weights_only: bool = False) -> _format.StateDictType:
+def checkpoint_kind(path: AnyPath, weights_only: bool = False) -> _format.StateDictType:
     """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise. ``weights_only``: how
     ``meta.pt`` may be unpickled."""
     if not path.exists():
@@ -45,9 +35,9 @@ def checkpoint_kind(path: Path, weights_only: bool = False) -> _format.StateDict
     return SHARDED
 
 
-def _missing(path: Path) -> str:
+def _missing(path: AnyPath) -> str:
     message = f"{not_a_checkpoint(path)}: it does not exist."
-    moved = _atomic.previous_of(path)
+    moved = _atomic.previous_of(path) if isinstance(path, Path) else []  # object stores rename nothing
     if moved:
         message += (
             f" A save into it stopped between its two renames and left the previous checkpoint at"
@@ -56,7 +46,7 @@ def _missing(path: Path) -> str:
     return message
 
 
-def _check_sharded(path: Path, weights_only: bool) -> None:
+def _check_sharded(path: AnyPath, weights_only: bool) -> None:
     meta, index = path / _format.METADATA_FILENAME, path / _INDEX
     incomplete = " Its save did not finish or it was damaged; resume from another checkpoint."
     if not any(path.iterdir()):
@@ -84,7 +74,7 @@ def _check_sharded(path: Path, weights_only: bool) -> None:
     read_meta(path, weights_only)
 
 
-def read_meta(path: Path, weights_only: bool = False) -> Dict[str, Any]:
+def read_meta(path: AnyPath, weights_only: bool = False) -> Dict[str, Any]:
     """A sharded checkpoint's ``meta.pt``: everything but the model and optimizer states."""
     meta = path / _format.METADATA_FILENAME
     try:
@@ -97,7 +87,7 @@ def read_meta(path: Path, weights_only: bool = False) -> Dict[str, Any]:
     return content
 
 
-def read_full(path: Path, required: Optional[str] = "state_dict", weights_only: bool = False) -> Dict[str, Any]:
+def read_full(path: AnyPath, required: Optional[str] = "state_dict", weights_only: bool = False) -> Dict[str, Any]:
     """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have."""
     try:
         checkpoint = compat.load_file(path, lazy=True, weights_only=weights_only)
@@ -116,7 +106,7 @@ def read_full(path: Path, required: Optional[str] = "state_dict", weights_only: 
     return checkpoint
 
 
-def checkpoint_entries(path: Path, kind: str, weights_only: bool = False) -> Set[Any]:
+def checkpoint_entries(path: AnyPath, kind: str, weights_only: bool = False) -> Set[Any]:
     """The top-level entries of a complete checkpoint: a full file's keys; a sharded one's stored objects
     (modules and optimizers, from its index) and the keys of its ``meta.pt``."""
     if kind == FULL:
@@ -171,7 +161,7 @@ FABRIC_LENIENCY = "Pass `strict=False` to load the keys both have."
 
 
 def loadable_keys(
-    path: Path,
+    path: AnyPath,
     expected: Dict[str, Optional[Tuple[int, ...]]],
     stored: Dict[str, Optional[Tuple[int, ...]]],
     strict: bool,
@@ -204,7 +194,7 @@ def loadable_keys(
     return set(expected) & set(stored)
 
 
-def weights_only_error(path: Path) -> KeyError:
+def weights_only_error(path: AnyPath) -> KeyError:
     return KeyError(
         "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to"
         f" `ModelCheckpoint.save_weights_only` being set to `True`. (Checkpoint: {str(path)!r}.) Load the weights"

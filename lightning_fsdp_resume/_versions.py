@@ -45,8 +45,9 @@ class Flavour(NamedTuple):
             # cloud_io's checkpoint reader, where it is defined and where the checkpoint IO plugin binds it
             return (strategy, Target(f"{self.package}.fabric", "Fabric", "Fabric"), self._module("utilities.cloud_io"),
                     self._module("plugins.io.torch_io"))
-        # where load_from_checkpoint binds that reader
-        return (strategy, self._module("core.saving"))
+        # where load_from_checkpoint binds that reader; the callback that finds ckpt_path="last"
+        checkpoints = Target(f"{self.package}.callbacks.model_checkpoint", "ModelCheckpoint", "ModelCheckpoint")
+        return (strategy, self._module("core.saving"), checkpoints)
 
     def _module(self, path: str) -> Target:
         return Target(f"{self.package}.{path}", "", path)

@@ -1,7 +1,6 @@
 """The command line: ``demo`` (train, checkpoint, resume, compare), ``status`` and ``consolidate``."""
 import argparse
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 
@@ -47,9 +46,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         " or --format safetensors: the weights alone, for inference. Needs no GPU and no process group; SRC is never"
         " modified.",
     )
-    # strings, not Paths: Path("s3://b/x") is the local s3:/b/x, and a URL is refused by name (run_consolidate)
-    consolidate.add_argument("src", metavar="SRC", help="the sharded checkpoint directory")
-    consolidate.add_argument("dst", metavar="DST", help="the full checkpoint file to write")
+    # strings, not Paths: Path("s3://b/x") is the local s3:/b/x; consolidate opens a URL with fsspec
+    consolidate.add_argument("src", metavar="SRC", help="the sharded checkpoint directory, or its URL (s3://..., any fsspec URL)")
+    consolidate.add_argument("dst", metavar="DST", help="the full checkpoint file to write, or its URL")
     consolidate.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     consolidate.add_argument("--quiet", action="store_true", help="no progress on stderr")
     consolidate.add_argument(
@@ -90,15 +89,12 @@ def run_consolidate(args: argparse.Namespace) -> int:
     """Exit status 0 when DST was written, 1 when the conversion was refused (the reason on stderr)."""
     from ._consolidate import SAFETENSORS, consolidate
     from ._format import TRAINER
-    from ._verify import refuse_url
 
     weights_only = args.weights_only or args.format == SAFETENSORS
     try:
-        refuse_url(args.src, "read")
-        refuse_url(args.dst, "write")
-        summary = consolidate(Path(args.src), Path(args.dst), overwrite=args.overwrite, progress=not args.quiet,
+        summary = consolidate(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet,
                               weights_only=args.weights_only, dtype=args.dtype, format=args.format, module=args.module)
-    except (OSError, ValueError, NotImplementedError) as error:
+    except (OSError, ValueError, NotImplementedError, ImportError, RuntimeError) as error:
         print(f"lightning_fsdp_resume consolidate: error: {error}", file=sys.stderr)
         return 1
     if summary.writer == TRAINER:

@@ -1,0 +1,22 @@
+"""What the shim changes on Lightning 2.0.x's ``ModelCheckpoint``: finding ``ckpt_path="last"`` at a URL.
+
+2.0.x lists its ``dirpath`` with fsspec, whose listing drops the protocol (``bucket/run/last.ckpt``), and then opens
+what it found as a local path: a ``fit(ckpt_path="last")`` with ``dirpath="s3://..."`` finds nothing, warns and
+trains from scratch.
+"""
+import functools
+from typing import Any, Callable, Set
+
+from . import _remote
+
+
+def wrap_find_last_checkpoints(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _find_last_checkpoints(self: Any, trainer: Any) -> Set[str]:
+        found = original(self, trainer)
+        fs = getattr(self, "_fs", None)
+        if fs is None or _remote.is_local(fs):
+            return found
+        return {fs.unstrip_protocol(path) for path in found}
+
+    return _find_last_checkpoints
