@@ -60,6 +60,35 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server on 127.0.0.1 (support/s3.py), for the session; this process's fsspec is
+    configured for it, as a user configures theirs. Needs the test extra: moto[server], s3fs, boto3."""
+    for package in ("moto", "s3fs", "boto3"):
+        pytest.importorskip(package, reason="the object-storage tests need moto[server], s3fs and boto3 (tox installs them)")
+    import fsspec.config
+
+    from support.s3 import S3Server
+
+    server = S3Server(str(tmp_path_factory.mktemp("s3") / "server.log"))
+    saved = dict(fsspec.config.conf)
+    fsspec.config.conf.update(server.fsspec_conf())
+    yield server
+    fsspec.config.conf.clear()
+    fsspec.config.conf.update(saved)
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, request):
+    """A new, empty bucket of the S3 server: its URL."""
+    import re
+
+    name = re.sub(r"[^a-z0-9-]", "-", f"t{len(s3_server.buckets)}-{request.node.name.lower()}")[:63].strip("-")
+    s3_server.create_bucket(name)
+    return f"s3://{name}"
+
+
 def pytest_terminal_summary(terminalreporter):
     """Where tox asks for it, write this run's versions, shim modes and counts for the matrix table."""
     target = os.environ.get(RESULTS_ENV)

@@ -6,14 +6,15 @@ Lightning these tests are skipped with that reason.
 """
 import re
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
+from support.crash_chain import run_chain
 from support.flavours import NATIVE, VERSION
 from support.marks import needs_cpu_fsdp
 from support.ranks import FULL_USE_ORIG_PARAMS, config, worker
-from support.states import assert_identical, assert_ranks_identical, file_hashes, info, load
+from support.states import assert_identical, assert_ranks_identical, file_hashes, load
+from support.stores import LocalStore
 
 pytestmark = [
     pytest.mark.multirank,
@@ -21,8 +22,6 @@ pytestmark = [
     pytest.mark.skipif(NATIVE, reason=f"native Lightning {VERSION} writes checkpoints in place and does not check them"
                                       " before loading; these are the shim's guarantees"),
 ]
-
-LAST = "last.ckpt"
 
 # (kill point, rank): one rank is SIGKILLed there while a save overwrites last.ckpt. The first trial
 # kills the very first save (there is no previous checkpoint); the last one kills after the new
@@ -41,67 +40,15 @@ SHARDED_TRIALS = [
 FULL_TRIALS = [("mid-file", 0), ("before-publish", 0)]
 
 
-def _last_candidates(ckpt: Path):
-    """What Lightning 2.0.x's ``ckpt_path="last"`` chooses from: every entry whose name contains 'last'."""
-    return sorted(p.name for p in ckpt.iterdir() if "last" in p.name) if ckpt.is_dir() else []
-
-
-def _run_chain(reference, tmp_path: Path, state_dict_type: str, use_orig_params: int, trials, first_save_killed: bool) -> int:
-    """Kill one save per launch; each next launch resumes with ckpt_path="last" (every other one by path)
-    and must restore exactly the last complete checkpoint. Returns the number of kills."""
-    ref = reference(state_dict_type, use_orig_params)
-    ckpt = tmp_path / "ckpt"
-    saved_epoch: Optional[int] = None  # epoch of the checkpoint at last.ckpt; None: there is none
-    for launch, (point, rank) in enumerate(trials):
-        run = tmp_path / f"launch{launch}"
-        before = file_hashes(ckpt / LAST) if (ckpt / LAST).exists() else None
-        args = [*config(run, state_dict_type, use_orig_params), "--ckpt-dir", ckpt, "--last-only", "--max-epochs", 3]
-        # Kill the first save when there is a checkpoint to protect (or the chain starts that way);
-        # otherwise let one save complete and kill the second.
-        save = 1 if saved_epoch is not None or (launch == 0 and first_save_killed) else 2
-        if launch > 0:
-            args += ["--ckpt-path", "last" if launch % 2 or saved_epoch is None else ckpt / LAST]
-        output = worker(run, *args, "--kill", f"{point}:{rank}:{save}", expect_failure=True)
-        assert re.search(r"exitcode\s*:\s*-9|SIGKILL", output), f"{point}@rank{rank} was not killed:\n{output[-3000:]}"
-
-        if launch > 0:
-            _assert_restored(ref, run, saved_epoch)
-        if save == 2:
-            saved_epoch = 0  # from scratch, the first save (after epoch 0) completed
-        if point == "after-publish":
-            saved_epoch = (saved_epoch if saved_epoch is not None else -1) + 1  # the new one was complete
-        elif before is not None:
-            assert file_hashes(ckpt / LAST) == before, f"{point}@rank{rank}: the previous checkpoint was modified"
-        if saved_epoch is None:
-            assert not (ckpt / LAST).exists(), f"{point}@rank{rank}: a partial first save became visible"
-        assert _last_candidates(ckpt) == ([LAST] if saved_epoch is not None else []), _last_candidates(ckpt)
-
-    final = tmp_path / "final"
-    worker(final, *config(final, state_dict_type, use_orig_params), "--ckpt-dir", ckpt, "--last-only",
-           "--max-epochs", 3, "--ckpt-path", "last")
-    _assert_restored(ref, final, saved_epoch)
-    assert_ranks_identical(ref / "out", "final", final / "out", "final")
-    assert sorted(p.name for p in ckpt.iterdir()) == [LAST], "leftovers of the killed saves were not removed"
-    return len(trials)
-
-
-def _assert_restored(ref: Path, run: Path, saved_epoch: Optional[int]) -> None:
-    if saved_epoch is None:  # nothing to resume: ckpt_path="last" starts from scratch
-        assert info(run / "out", "start")["global_step"] == 0
-        assert_identical(load(ref / "out" / "start_rank0.pt")["params"], load(run / "out" / "start_rank0.pt")["params"],
-                         "initial weights")
-        return
-    assert info(run / "out", "start")["epoch"] == saved_epoch + 1
-    assert_ranks_identical(ref / "out", f"epoch{saved_epoch}", run / "out", "start")
-
-
 def test_killed_sharded_saves_leave_the_previous_checkpoint_loadable(reference, tmp_path):
-    assert _run_chain(reference, tmp_path, "sharded", 0, SHARDED_TRIALS, first_save_killed=True) == 9
+    store = LocalStore(tmp_path / "ckpt")
+    assert run_chain(reference, tmp_path, store, "sharded", 0, SHARDED_TRIALS, first_save_killed=True) == 9
 
 
 @pytest.mark.smoke
 def test_killed_full_saves_leave_the_previous_checkpoint_loadable(reference, tmp_path):
-    assert _run_chain(reference, tmp_path, "full", FULL_USE_ORIG_PARAMS, FULL_TRIALS, first_save_killed=False) == 2
+    store = LocalStore(tmp_path / "ckpt")
+    assert run_chain(reference, tmp_path, store, "full", FULL_USE_ORIG_PARAMS, FULL_TRIALS, first_save_killed=False) == 2
 
 
 # --- refused inputs: every rank raises the same clear error, nothing is loaded, no file changes --------

@@ -31,8 +31,9 @@ if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/f
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import models, states  # noqa: E402
-from support.faults import kill_during_saves  # noqa: E402
+from support.faults import cut_network, kill_during_saves  # noqa: E402
 from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
+from support.s3 import configure, directory  # noqa: E402
 
 Fabric = FABRIC_UNDER_TEST.module().Fabric  # lightning.fabric where lightning is installed, else lightning_fabric
 FSDPStrategy = FABRIC_UNDER_TEST.module("strategies").FSDPStrategy
@@ -257,7 +258,9 @@ def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    parser.add_argument("--ckpt-dir", type=directory, required=True, help="a directory or a URL")
+    parser.add_argument("--fsspec-conf", default=None, help="JSON for fsspec.config.conf: a store's endpoint and keys")
+    parser.add_argument("--cut", default=None, help="POINT:RANK:SAVE:PORT, cut the network to the S3 server there")
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--epochs", type=int, default=3, help="train until this many epochs are done")
     parser.add_argument("--resume", type=Path, default=None, help="fabric.load this checkpoint first")
@@ -277,12 +280,16 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)  # native full saves do not make it (sharded ones do)
+    configure(args.fsspec_conf)
 
     enable_cpu_fsdp()
     run = Run(args)
     if args.kill:
         point, rank, save = args.kill.split(":")
         kill_during_saves(run.fabric.strategy, point, int(rank), int(save))
+    if args.cut:
+        point, rank, save, port = args.cut.split(":")
+        kill_during_saves(run.fabric.strategy, point, int(rank), int(save), fault=cut_network(int(port)))
     if args.errors:
         raised = refusals(run, args.errors, args.out / "scratch")
         (args.out / f"errors_rank{run.fabric.global_rank}.json").write_text(json.dumps(raised, indent=1))

@@ -3,22 +3,40 @@ chosen point of a checkpoint save. The points are found in torch's writers (and 
 so they exist for the shim's saves and for native Lightning's alike, but for the two publish points."""
 import os
 import signal
+import socket
 import sys
 
 
-def kill_during_saves(strategy, point: str, rank: int, save: int) -> None:
-    """SIGKILL ``rank`` at ``point`` of the ``save``-th checkpoint save (``strategy.save_checkpoint``) of this process.
+def sigkill() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def cut_network(control_port: int):
+    """A fault that cuts the network to the S3 server (support/s3.py's relay) and returns once it is cut."""
+
+    def cut() -> None:
+        with socket.create_connection(("127.0.0.1", control_port), timeout=30) as control:
+            control.recv(1)  # the relay closes it once every connection is cut
+
+    return cut
+
+
+def kill_during_saves(strategy, point: str, rank: int, save: int, fault=sigkill) -> None:
+    """SIGKILL ``rank`` at ``point`` of the ``save``-th checkpoint save (``strategy.save_checkpoint``) of this process
+    (or run another ``fault`` there, once).
 
     Points: ``before-shards`` (nothing written yet), ``mid-shards`` (after this rank's shard file),
     ``after-shards`` (shards done, ``meta.pt`` not written), ``before-publish`` (complete, not yet in
     place), ``after-publish`` (in place, replaced checkpoint not yet removed); ``mid-file`` for the Trainer's
     full saves, through the strategy's ``checkpoint_io`` (half of the file written). The publish points are the shim's
-    atomic publishing: native Lightning has none, and never reaches them.
+    atomic publishing (at a URL: writing the pointer, or copying the full file into place): native Lightning has
+    none, and never reaches them.
     """
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.filesystem as fs
 
-    from lightning_fsdp_resume import _atomic
+    from lightning_fsdp_resume import _atomic, _remote
 
     saves = [0]
     original_save = strategy.save_checkpoint
@@ -29,10 +47,12 @@ def kill_during_saves(strategy, point: str, rank: int, save: int) -> None:
 
     strategy.save_checkpoint = counting_save
 
+    done = [False]
+
     def die(where: str) -> None:
-        if where == point and strategy.global_rank == rank and saves[0] == save:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if where == point and strategy.global_rank == rank and saves[0] == save and not done[0]:
+            done[0] = True
+            fault()
 
     def around(owner, name, before, after):
         original = getattr(owner, name)
@@ -52,6 +72,8 @@ def kill_during_saves(strategy, point: str, rank: int, save: int) -> None:
             around(dcp, name, "before-shards", "after-shards")
     around(fs.FileSystemWriter, "write_data", "", "mid-shards")
     around(_atomic, "publish", "before-publish", "after-publish")
+    around(_remote, "commit", "before-publish", "after-publish")
+    around(_remote, "publish_file", "before-publish", "after-publish")
 
     if point != "mid-file":
         return

@@ -20,8 +20,9 @@ if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/t
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import models, states  # noqa: E402
-from support.faults import kill_during_saves  # noqa: E402
+from support.faults import cut_network, kill_during_saves  # noqa: E402
 from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
+from support.s3 import configure, directory  # noqa: E402
 
 L = TRAINER_UNDER_TEST.module()  # lightning.pytorch where lightning is installed, else pytorch_lightning
 Callback, ModelCheckpoint = L.Callback, TRAINER_UNDER_TEST.module("callbacks").ModelCheckpoint
@@ -382,7 +383,9 @@ def main() -> None:
         return cli_main(sys.argv[2:])
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    parser.add_argument("--ckpt-dir", type=directory, required=True, help="a directory or a URL")
+    parser.add_argument("--fsspec-conf", default=None, help="JSON for fsspec.config.conf: a store's endpoint and keys")
+    parser.add_argument("--cut", default=None, help="POINT:RANK:SAVE:PORT, cut the network to the S3 server there")
     parser.add_argument("--strategy", choices=["fsdp", "single", "ddp"], default="fsdp")
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--use-orig-params", type=int, default=0)
@@ -404,6 +407,7 @@ def main() -> None:
     parser.add_argument("--then", nargs="*", default=[], help="steps after the first call in the same processes, see run_steps")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    configure(args.fsspec_conf)
 
     L.seed_everything(0)
     if args.then:
@@ -414,6 +418,9 @@ def main() -> None:
     if args.kill:
         point, rank, save = args.kill.split(":")
         kill_during_saves(trainer.strategy, point, int(rank), int(save))
+    if args.cut:
+        point, rank, save, port = args.cut.split(":")
+        kill_during_saves(trainer.strategy, point, int(rank), int(save), fault=cut_network(int(port)))
     if args.optimizers == 2:
         model = TwoOptimizerNet()
     else:
