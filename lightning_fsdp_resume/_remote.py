@@ -91,7 +91,13 @@ class RemotePath:
         return self.fs.open(self.path, mode)
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        self.fs.makedirs(self.path, exist_ok=True)
+        if self.bucket() is None:  # an object store has no directories, and its makedirs would create a bucket
+            self.fs.makedirs(self.path, exist_ok=True)
+
+    def bucket(self) -> Optional[str]:
+        """The bucket (container) of an object store's path; None for file systems without buckets."""
+        split = getattr(self.fs, "split_path", None)  # s3fs, gcsfs, adlfs
+        return split(self.path)[0] if split is not None else None
 
     def read_bytes(self, limit: Optional[int] = None) -> bytes:
         if limit is None:
@@ -145,6 +151,47 @@ def is_local(fs: Any) -> bool:
 
 def is_remote(path: Any) -> bool:
     return isinstance(path, RemotePath)
+
+
+class RemoteCheckpointError(OSError):
+    """A save to a URL that did not complete; nothing of it was committed."""
+
+
+def check_bucket(path: RemotePath) -> None:
+    """A save never creates a bucket: one that does not exist (or that these credentials cannot see) is refused."""
+    bucket = path.bucket()
+    if bucket is None:
+        return
+    try:
+        path.fs.ls(bucket)  # needs only the permission to list it; a missing bucket is FileNotFoundError
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"Cannot save the checkpoint {str(path)!r}: the bucket {bucket!r} does not exist, or these credentials cannot"
+            " see it. Create it, or name another; nothing was written."
+        ) from None
+    except Exception:
+        pass  # not allowed to list, say: the save itself tells what the store refuses
+
+
+def save_failed(path: RemotePath, error: BaseException) -> RemoteCheckpointError:
+    """The error every rank raises for a save to ``path`` that failed with ``error`` (any rank's)."""
+    return RemoteCheckpointError(
+        f"Could not save the checkpoint {str(path)!r}: {_cause(error)}. Nothing of this save was committed: the URL"
+        " holds what it held before, and what the save wrote goes with the next save into that directory. Check the"
+        " store's permissions, the bucket and the network, then save again."
+    )
+
+
+def _cause(error: BaseException) -> str:
+    """The first failure behind ``error``: torch.distributed.checkpoint reports every rank's in ``failures``."""
+    where = ""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = sorted(failures.items(), key=lambda item: item[0])[0]
+        error = failure[0] if isinstance(failure, tuple) else failure
+        where = f" (on rank {rank})"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}{where}"
 
 
 # --- the commit protocol ----------------------------------------------------------------------------------------

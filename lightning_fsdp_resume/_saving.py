@@ -4,8 +4,9 @@ checkpoint at its path only once it is complete (the previous one stays whole un
 ``strategy`` is either strategy object; what differs between the two (what a checkpoint holds, how a
 full one is written) is passed in. Nothing here knows about patching or about the Trainer or Fabric.
 """
+import contextlib
 import secrets
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from . import _atomic, _format, _remote
 from . import _torch_compat as compat
@@ -50,11 +51,12 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
     directory is renamed into place, at a URL its pointer is written (``_remote``).
     """
     path, partial = _destination(strategy, filepath, full=False)
-    partial.mkdir(parents=True, exist_ok=True)
-    compat.save_distributed(stored, partial)
-    barrier(strategy)  # every rank's shards are written
-    # rank 0 finishes; the others wait for it and raise its error (a store that refused meta.pt, say) with it
-    decided_on_rank_zero(strategy, _publish_sharded, partial, path, metadata)
+    with _reported(path):
+        partial.mkdir(parents=True, exist_ok=True)
+        compat.save_distributed(stored, partial)
+        barrier(strategy)  # every rank's shards are written
+        # rank 0 finishes; the others wait for it and raise its error (a store that refused meta.pt, say) with it
+        decided_on_rank_zero(strategy, _publish_sharded, partial, path, metadata)
 
 
 def _publish_sharded(partial: Any, path: Any, metadata: Dict[str, Any]) -> None:
@@ -70,7 +72,22 @@ def write_full(strategy: Any, filepath: Any, write: Callable[[Any], None]) -> No
     """Rank 0 ``write``s the whole checkpoint to a hidden partial sibling and puts it at ``filepath``; the other
     ranks wait for it, and raise its error with it."""
     path, partial = _destination(strategy, filepath, full=True)
-    decided_on_rank_zero(strategy, _publish_full, path, partial, write)
+    with _reported(path):
+        decided_on_rank_zero(strategy, _publish_full, path, partial, write)
+
+
+@contextlib.contextmanager
+def _reported(path: Any) -> Iterator[None]:
+    """A failed save to a URL (a refused write, a network gone, on any rank) raises one clear error on every rank."""
+    if not isinstance(path, _remote.RemotePath):
+        yield
+        return
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        raise _remote.save_failed(path, error) from error
 
 
 def _publish_full(path: Any, partial: Any, write: Callable[[Any], None]) -> None:
@@ -103,6 +120,8 @@ def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Any, Any]:
 
 
 def _check_destination(path: Any, full: bool) -> None:
+    if isinstance(path, _remote.RemotePath):
+        _remote.check_bucket(path)
     if not path.is_dir():
         return
     replaceable = not _remote.is_remote(path) and _format.is_replaceable_directory(path)

@@ -9,6 +9,7 @@ bucket that does not exist.
 import importlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -183,7 +184,6 @@ def _s3_args(s3_server, url: str, keys=None):
 
 @multirank_s3
 @pytest.mark.parametrize("kind", ["sharded", "full"])
-@pytest.mark.smoke
 def test_trainer_resumes_last_from_s3_bit_exact_and_save_top_k_removes_whole_checkpoints(reference, s3_server, bucket, tmp_path, kind):
     from support.ranks import FULL_USE_ORIG_PARAMS, config, worker
     from support.states import assert_ranks_identical
@@ -219,3 +219,86 @@ def test_killed_saves_to_s3_leave_the_previous_checkpoint_loadable(reference, s3
     use_orig_params = 0 if kind == "sharded" else FULL_USE_ORIG_PARAMS
     assert run_chain(reference, tmp_path, store, kind, use_orig_params, trials, first_save_killed=kind == "sharded",
                      extra=extra) == len(trials)
+
+
+# --- refusals from a real store: one process ---------------------------------------------------------------------
+
+
+@needs_cpu_fsdp
+@needs_patched_trainer
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_bucket_that_refuses_writes_fails_the_save_clearly_and_keeps_the_checkpoint(
+        in_empty_directory, s3_server, bucket, process_group, monkeypatch, kind):
+    import fsspec.config
+
+    from support.trainer_worker import Net, data
+
+    url = f"{bucket}/run"
+    _trainer(kind, url, 1, save_last=True).fit(Net(), train_dataloaders=data())
+    store = S3Store(url)
+    before = store.hashes("last.ckpt")
+    monkeypatch.setitem(fsspec.config.conf, "s3", s3_server.fsspec_conf(s3_server.reader)["s3"])  # may read, not write
+    with pytest.raises(OSError, match=rf"Could not save the checkpoint '{url}/epoch=1\.ckpt': .*(AccessDenied|Access Denied)"
+                                      r".*Nothing of this save was committed"):
+        _trainer(kind, url, 2, save_last=True).fit(Net(), train_dataloaders=data(), ckpt_path="last")
+    monkeypatch.undo()
+    assert store.hashes("last.ckpt") == before
+    assert [name for name in store.names() if not name.startswith(".")] == ["epoch=0.ckpt", "last.ckpt"]
+
+
+@needs_cpu_fsdp
+@needs_patched_trainer
+def test_a_missing_bucket_is_refused_by_name_and_not_created(in_empty_directory, s3_server, process_group):
+    import boto3  # noqa: F401  (the object-storage extra)
+
+    from support.trainer_worker import Net, data
+
+    with pytest.raises(FileNotFoundError, match=r"Cannot save the checkpoint 's3://no-such-bucket/run/epoch=0\.ckpt': the"
+                                                r" bucket 'no-such-bucket' does not exist"):
+        _trainer("sharded", "s3://no-such-bucket/run", 1).fit(Net(), train_dataloaders=data())
+    buckets = s3_server._client("s3", s3_server.writer).list_buckets()["Buckets"]
+    assert "no-such-bucket" not in [b["Name"] for b in buckets]
+
+
+# --- two ranks: the network cut mid-save, Fabric -------------------------------------------------------------------
+
+
+@multirank_s3
+def test_a_network_cut_mid_save_fails_every_rank_clearly_and_keeps_the_previous_checkpoint(reference, s3_server, bucket, tmp_path):
+    from support.crash_chain import assert_restored
+    from support.ranks import config, worker
+    from support.states import assert_ranks_identical
+
+    url = f"{bucket}/run"
+    store = S3Store(url)
+    cut, resumed = tmp_path / "cut", tmp_path / "resumed"
+    # rank 1 has written its shard of the second save (after epoch 1) when the network goes
+    output = worker(cut, *config(cut, "sharded", 0), *_s3_args(s3_server, url), "--last-only", "--max-epochs", 3,
+                    "--cut", f"mid-shards:1:2:{s3_server.relay.control_port}", expect_failure=True)
+    s3_server.relay.mend()
+    assert re.search(rf"RemoteCheckpointError: Could not save the checkpoint '{url}/last\.ckpt': .*Nothing of this save"
+                     " was committed", output), output[-6000:]
+    assert store.names()[-1] == "last.ckpt"
+    worker(resumed, *config(resumed, "sharded", 0), *_s3_args(s3_server, url), "--last-only", "--max-epochs", 3,
+           "--ckpt-path", "last")
+    assert_restored(reference("sharded", 0), resumed, saved_epoch=0)
+    assert_ranks_identical(reference("sharded", 0) / "out", "final", resumed / "out", "final")
+    assert store.names() == ["last.ckpt"], "what the cut save wrote was not removed by the next one"
+
+
+@multirank_s3
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_fabric_saves_to_s3_and_resumes_bit_exact(fabric_reference, s3_server, bucket, tmp_path, kind):
+    from support.ranks import EPOCHS, fabric_config, fabric_worker
+    from support.states import assert_ranks_identical
+
+    url = f"{bucket}/run"
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    fabric_worker(saved, *fabric_config(saved, kind), *_s3_args(s3_server, url), "--epochs", 2)
+    fabric_worker(resumed, *fabric_config(resumed, kind), *_s3_args(s3_server, url), "--epochs", EPOCHS,
+                  "--resume", f"{url}/epoch=0.ckpt")
+    ref = fabric_reference(kind)
+    for part in ("params", "buffers", "optim"):
+        assert_ranks_identical(ref / "out", "epoch0", resumed / "out", "start", parts=[part])
+        assert_ranks_identical(ref / "out", "final", resumed / "out", "final", parts=[part])
+    assert S3Store(url).names() == [f"epoch={e}.ckpt" for e in range(EPOCHS)]

@@ -263,7 +263,7 @@ def main() -> None:
     parser.add_argument("--cut", default=None, help="POINT:RANK:SAVE:PORT, cut the network to the S3 server there")
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--epochs", type=int, default=3, help="train until this many epochs are done")
-    parser.add_argument("--resume", type=Path, default=None, help="fabric.load this checkpoint first")
+    parser.add_argument("--resume", type=directory, default=None, help="fabric.load this checkpoint (a path or URL) first")
     parser.add_argument("--strict", type=int, default=1, help="fabric.load(..., strict=)")
     parser.add_argument("--request-missing", action="store_true", help=f"ask the load for {MISSING_KEY!r} too")
     parser.add_argument("--load-raw", type=Path, default=None, help="fabric.load_raw this model state dict first")
