@@ -108,6 +108,30 @@ def test_a_sharded_url_checkpoint_reads_with_load_from_checkpoint_and_consolidat
     assert not [p for p in memory.ls("/bucket/out", detail=False) if ".fsdp-resume-" in p], "a partial object was left"
 
 
+@needs_cpu_fsdp
+@needs_patched_trainer
+def test_a_url_checkpoint_reads_without_the_package_and_an_uploaded_directory_reads_as_it_is(memory, process_group, tmp_path):
+    """The README's way to read a sharded checkpoint at a URL without this package (follow the pointer, copy the
+    prefix), and the other way round: a sharded directory uploaded as it is reads at its URL."""
+    import torch
+
+    from support.trainer_worker import Net, data
+
+    _trainer("sharded", MEMORY, 1, save_top_k=-1).fit(Net(), train_dataloaders=data())
+    pointer = json.loads(memory.cat_file("/bucket/run/epoch=0.ckpt"))
+    assert pointer["kind"] == "sharded" and pointer["data"].startswith(".fsdp-resume-data-")
+    local = tmp_path / "epoch=0.ckpt"
+    memory.get(f"/bucket/run/{pointer['data']}/", str(local), recursive=True)
+    assert {".metadata", "meta.pt"} <= {p.name for p in local.iterdir()}
+    memory.put(str(local), "/bucket/uploaded/epoch=0.ckpt", recursive=True)
+    expected = Net.load_from_checkpoint(local).state_dict()
+    for source in (f"{MEMORY}/epoch=0.ckpt", "memory://bucket/uploaded/epoch=0.ckpt"):
+        loaded = Net.load_from_checkpoint(source).state_dict()
+        assert sorted(loaded) == sorted(expected)
+        for name, value in expected.items():
+            assert torch.equal(loaded[name], value), (source, name)
+
+
 def test_an_unknown_protocol_is_refused_by_name_and_nothing_is_written(in_empty_directory):
     from lightning_fsdp_resume.cli import main
 
