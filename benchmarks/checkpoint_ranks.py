@@ -78,7 +78,7 @@ class Measured:
 
 
 class SaveAfterFirstStep(L.Callback):
-    def __init__(self, path: Path, measured: Measured) -> None:
+    def __init__(self, path: str, measured: Measured) -> None:
         self.path = path
         self.measured = measured
 
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=["save", "resume"], required=True)
     parser.add_argument("--state-dict-type", choices=["sharded", "full"], required=True)
-    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--checkpoint", required=True, help="a path or a URL (its store configured by FSSPEC_* variables)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--width", type=int, required=True)
     parser.add_argument("--layers", type=int, required=True)

@@ -10,6 +10,9 @@ new processes (``checkpoint_ranks.py``). Then it times ``import lightning_fsdp_r
 
 ``--consolidate`` also measures ``consolidate``'s peak memory for each output format on a sharded
 checkpoint the shim saves; ``--consolidate-from DIR`` measures only that, on the sharded checkpoint DIR.
+``--remote`` also saves and resumes each kind to an S3-compatible server it starts on 127.0.0.1 (moto's, as
+the tests do; needs the [s3] extra and moto), against the same on the local disk and against copying the
+same bytes to and from the server with s3fs.
 
 Exits 1 when a run fails or the shim import pulls in torch or Lightning; missed targets are reported
 in the tables, not in the exit status.
@@ -22,8 +25,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import import_time
 
@@ -52,14 +56,15 @@ def _env() -> Dict[str, str]:
     return env
 
 
-def launch(python: str, phase: str, kind: str, checkpoint: Path, out: Path, args: argparse.Namespace) -> List[Dict]:
-    """One torchrun job of the rank program; every rank's record, by rank."""
+def launch(python: str, phase: str, kind: str, checkpoint: Any, out: Path, args: argparse.Namespace,
+           env: Optional[Dict[str, str]] = None) -> List[Dict]:
+    """One torchrun job of the rank program; every rank's record, by rank. ``checkpoint``: a path or a URL."""
     command = [
         python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", str(RANK_PROGRAM),
         "--phase", phase, "--state-dict-type", kind, "--checkpoint", str(checkpoint), "--out", str(out),
         "--width", str(args.width), "--layers", str(args.layers), "--outputs", str(args.outputs), "--use-orig-params", str(args.use_orig_params),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(), check=False)
+    result = subprocess.run(command, capture_output=True, text=True, env={**_env(), **(env or {})}, check=False)
     if result.returncode != 0:
         raise RuntimeError(
             f"{phase} ({kind}) with {python} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
@@ -286,6 +291,77 @@ def consolidate_a_save(args: argparse.Namespace, workdir: Path) -> str:
     return consolidate_report(records, f"the shim's sharded checkpoint of the model above ({args.layers} × {args.width})")
 
 
+# --- object storage: the same saves and resumes at an S3 URL -----------------------------------------
+
+
+def measure_remote(args: argparse.Namespace, workdir: Path) -> Dict[Tuple[str, str], Dict[str, List[float]]]:
+    """Per (phase, kind): the shim's times at an S3 URL ("s3"), and s3fs copying the same bytes ("raw": the
+    upload of the saved checkpoint for a save, its download for a resume), each repeat."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.s3 import S3Server  # the tests' server: moto on 127.0.0.1, behind a relay
+
+    server = S3Server(str(workdir / "s3-server.log"))
+    figures: Dict[Tuple[str, str], Dict[str, List[float]]] = {}
+    try:
+        server.create_bucket("bench")
+        conf = server.fsspec_conf()
+        import fsspec
+
+        fs = fsspec.filesystem("s3", **conf["s3"])
+        env = {"FSSPEC_S3": json.dumps(conf["s3"])}  # fsspec's configuration, as a user sets it
+        for repeat in range(args.repeats):
+            for kind in KINDS:
+                url = f"s3://bench/{kind}-{repeat}/" + ("checkpoint" if kind == "sharded" else "checkpoint.ckpt")
+                run_dir = workdir / f"s3-{kind}-{repeat}"
+                for phase in PHASES:
+                    print(f"repeat {repeat + 1}/{args.repeats}: s3 {kind:<7} {phase}", file=sys.stderr, flush=True)
+                    records = launch(sys.executable, phase, kind, url, run_dir, args, env)
+                    figures.setdefault((phase, kind), {}).setdefault("s3", []).append(max(r["seconds"] for r in records))
+                saved = _data_of(fs, url)
+                local = run_dir / "copy"
+                start = time.perf_counter()
+                fs.get(saved, str(local), recursive=True)
+                figures[("resume", kind)].setdefault("raw", []).append(time.perf_counter() - start)
+                start = time.perf_counter()
+                fs.put(str(local), f"bench/raw-{kind}-{repeat}", recursive=True)
+                figures[("save", kind)].setdefault("raw", []).append(time.perf_counter() - start)
+                size = sum(f.stat().st_size for f in ([local] if local.is_file() else local.rglob("*")) if f.is_file())
+                figures[("save", kind)].setdefault("bytes", []).append(size)
+                fs.rm(f"bench/{kind}-{repeat}", recursive=True)
+                fs.rm(f"bench/raw-{kind}-{repeat}", recursive=True)
+                shutil.rmtree(run_dir)
+    finally:
+        server.stop()
+    return figures
+
+
+def _data_of(fs: Any, url: str) -> str:
+    """What a checkpoint at ``url`` consists of: the prefix its pointer names, or the file itself (README)."""
+    content = fs.cat_file(url)
+    if content.startswith(b"{"):
+        return url.rsplit("/", 1)[0] + "/" + json.loads(content)["data"]
+    return url
+
+
+def remote_report(remote: Dict[Tuple[str, str], Dict[str, List[float]]], local: Dict[Tuple[str, str, str], Figures]) -> str:
+    rows = []
+    for phase in PHASES:
+        for kind in KINDS:
+            s3 = statistics.median(remote[(phase, kind)]["s3"])
+            raw = statistics.median(remote[(phase, kind)]["raw"])
+            disk = local[(phase, kind, "shim")].time
+            size = statistics.median(remote[("save", kind)]["bytes"])
+            rows.append([phase, kind, _mb(size), f"{disk:.3f}", f"{s3:.3f}", _show(_ratio(s3, disk)), f"{raw:.3f}",
+                         _show(_ratio(s3, raw))])
+    return "\n".join([
+        "Object storage: the same saves and resumes at s3:// URLs of a local S3 server (moto on 127.0.0.1, through a"
+        " TCP relay), against the local disk, and against s3fs copying the checkpoint's bytes (upload for a save,"
+        " download for a resume); median of the repeats.",
+        "",
+        table(["phase", "kind", "checkpoint MB", "local disk s", "S3 s", "S3/disk", "raw S3 copy s", "S3/raw copy"], rows),
+    ])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--native-python", default=os.environ.get(NATIVE_PYTHON_ENV),
@@ -302,6 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--consolidate", action="store_true",
                         help="also measure consolidate's peak memory per output format, on a sharded checkpoint of the model")
+    parser.add_argument("--remote", action="store_true",
+                        help="also save and resume to an S3 server started on 127.0.0.1, against the local disk")
     parser.add_argument("--consolidate-from", type=Path, default=None, metavar="DIR",
                         help="measure only consolidate's peak memory per output format, on the sharded checkpoint DIR")
     args = parser.parse_args(argv)
@@ -310,6 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fsdp-resume-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     consolidated = ""
+    remote: Dict[Tuple[str, str], Dict[str, List[float]]] = {}
     try:
         if args.consolidate_from is not None:
             records = measure_consolidate(sys.executable, args.consolidate_from, workdir, args.repeats)
@@ -318,6 +397,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = run_all(sides, args, workdir)
         if args.consolidate:
             consolidated = consolidate_a_save(args, workdir)
+        if args.remote:
+            remote = measure_remote(args, workdir)
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
@@ -325,7 +406,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     imports = import_time.measure(sys.executable, args.import_repeats, env=_env())
-    print(report({key: Figures(value) for key, value in results.items()}, imports, args))
+    figures = {key: Figures(value) for key, value in results.items()}
+    print(report(figures, imports, args))
+    if remote:
+        print("\n" + remote_report(remote, figures))
     if consolidated:
         print("\n" + consolidated)
     return 1 if imports["heavy_imported"] else 0

@@ -26,11 +26,14 @@ def offload(module: Any) -> bool:
 
 
 def refuse_storage_options(storage_options: Optional[Any]) -> None:
-    """Both strategies save through torch, not through a ``CheckpointIO`` that would take these options."""
+    """Both strategies save through torch, not through a ``CheckpointIO`` that would take these options. Nor are
+    they taken for a URL: no load takes them, so a checkpoint saved with them could not be resumed."""
     if storage_options is not None:
         raise TypeError(
             "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported because"
-            " `FSDPStrategy` does not use the `CheckpointIO`."
+            " `FSDPStrategy` does not use the `CheckpointIO`. For a checkpoint at a URL, give the store's"
+            " credentials and endpoint to every rank through its environment (for S3: AWS_* or FSSPEC_S3_*"
+            " variables), where the loads that resume from it find them too."
         )
 
 

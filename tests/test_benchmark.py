@@ -1,4 +1,5 @@
 """The benchmark runs at its smallest size on the shim side and prints every row it promises."""
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from support.ranks import _run
 pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 
 BENCHMARK = Path(__file__).parent.parent / "benchmarks" / "resume_benchmark.py"
+# The object-storage rows where the S3 server can run (tox installs it)
+REMOTE = ["--remote"] if all(importlib.util.find_spec(name) for name in ("moto", "s3fs", "flask")) else []
 # The benchmark's use_orig_params=True needs an optimizer gather torch 2.2 cannot make on the CPU.
 USE_ORIG_PARAMS = "1" if cpu_optimizer_state_supported(True)[0] else "0"
 
@@ -35,8 +38,8 @@ def _tables(output: str):
 @long_runs
 def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_path):
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS, "--repeats", "1",
-                   "--import-repeats", "2", "--workdir", str(tmp_path)], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""})
-    figures, targets = _tables(output)
+                   "--import-repeats", "2", "--workdir", str(tmp_path), *REMOTE], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""})
+    figures, targets, *remote = _tables(output)
     assert [(r["phase"], r["kind"], r["side"]) for r in figures] == [
         (phase, kind, "shim") for phase in ("save", "resume") for kind in ("sharded", "full")
     ]
@@ -50,4 +53,9 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
     assert verdicts["full save"] in ("yes", "**NO**")
     assert verdicts["sharded resume time shim/native"] == "not measured"  # no native side given
     assert verdicts["import lightning_fsdp_resume imports neither torch nor Lightning"] == "yes"
-    assert not list(tmp_path.iterdir()), "the checkpoints of each run are removed after it"
+    if REMOTE:
+        (rows,) = remote
+        assert [(r["phase"], r["kind"]) for r in rows] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
+        for row in rows:
+            assert float(row["S3 s"]) > 0 and float(row["raw S3 copy s"]) > 0 and float(row["S3/disk"]) > 0, row
+    assert [p.name for p in tmp_path.iterdir()] == (["s3-server.log"] if REMOTE else []), "the checkpoints of each run are removed after it"

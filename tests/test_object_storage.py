@@ -151,6 +151,22 @@ def test_a_protocol_whose_fsspec_implementation_is_missing_names_what_to_install
             location("gs://bucket/x", "load")
 
 
+def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(monkeypatch):
+    """torch 2.0 has no fsspec storage for torch.distributed.checkpoint: the refusal names the release and what works."""
+    import sys
+
+    from lightning_fsdp_resume import _torch_compat as compat
+    from lightning_fsdp_resume._remote import location
+
+    pytest.importorskip("torch.distributed.checkpoint")
+    monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint._fsspec_filesystem", None)  # as if torch had none
+    release = ".".join(map(str, compat.torch_release()))
+    with pytest.raises(RuntimeError, match=rf"Sharded checkpoints at URLs \('memory:///bucket/run/last\.ckpt'\) need"
+                                           rf" torch\.distributed\.checkpoint's fsspec storage, which torch {release} does"
+                                           r" not have .*save full checkpoints"):
+        compat.storage_writer(location(f"{MEMORY}/last.ckpt", "save"))
+
+
 def test_file_urls_are_local_paths(tmp_path):
     from lightning_fsdp_resume._remote import location
 
