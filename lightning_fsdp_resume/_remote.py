@@ -99,10 +99,9 @@ class RemotePath:
         split = getattr(self.fs, "split_path", None)  # s3fs, gcsfs, adlfs
         return split(self.path)[0] if split is not None else None
 
-    def read_bytes(self, limit: Optional[int] = None) -> bytes:
-        if limit is None:
-            return bytes(self._fresh().cat_file(self.path))
-        return bytes(self._fresh().cat_file(self.path, start=0, end=limit))
+    def read_bytes(self, start: Optional[int] = None, end: Optional[int] = None) -> bytes:
+        """The object's bytes, or those in [start, end): one request, no read-ahead."""
+        return bytes(self._fresh().cat_file(self.path, start=start, end=end))
 
     def write_bytes(self, data: bytes) -> None:
         """One object in one request: it appears whole or not at all."""

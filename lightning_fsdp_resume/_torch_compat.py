@@ -247,13 +247,19 @@ def _saved_param_groups(path: AnyPath, key: str, index: Any) -> list:
         field = re.fullmatch(re.escape(whole) + r"\.(\d+)\.(\w+)", fqn)
         if fqn != whole and not field:
             continue
-        with (path / info.relative_path).open("rb") as handle:
-            handle.seek(info.offset)
-            value = torch.load(io.BytesIO(handle.read(info.length)), weights_only=False)
+        value = torch.load(io.BytesIO(_read_range(path / info.relative_path, info.offset, info.length)), weights_only=False)
         if field is None:  # fqn == whole: the groups saved as one entry
             return list(value)
         groups.setdefault(int(field.group(1)), {})[field.group(2)] = value
     return [groups[i] for i in sorted(groups)]
+
+
+def _read_range(path: AnyPath, offset: int, length: int) -> bytes:
+    if isinstance(path, _remote.RemotePath):
+        return path.read_bytes(offset, offset + length)  # one request of these bytes, not a read-ahead block
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read(length)
 
 
 # --- torch.distributed.checkpoint and files ------------------------------------------------------
@@ -281,7 +287,20 @@ def storage_reader(path: Any) -> Any:
 
     if not _remote.is_remote(path):
         return dcp.FileSystemReader(str(path))
-    return _fsspec_storage("FsspecReader", path)(str(path))
+    reader = _fsspec_storage("FsspecReader", path)
+    if _takes_storage_options(reader) and hasattr(path.fs, "default_cache_type"):
+        # Each rank reads its items in the plan's order, not by offset: s3fs's read-ahead cache then fetches a new
+        # block for most items (a 403 MB sharded resume from a local S3 server took 2.2 times as long); a block
+        # cache fetches each block once. torch 2.13's reader takes storage options; torch 2.4's takes none.
+        return reader(str(path), default_cache_type="blockcache")
+    return reader(str(path))
+
+
+def _takes_storage_options(storage_class: Any) -> bool:
+    import inspect
+
+    parameters = inspect.signature(storage_class.__init__).parameters.values()
+    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
 
 
 def _fsspec_storage(name: str, path: Any) -> Any:

@@ -158,8 +158,9 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
     from lightning_fsdp_resume import _torch_compat as compat
     from lightning_fsdp_resume._remote import location
 
-    pytest.importorskip("torch.distributed.checkpoint")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
     monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint._fsspec_filesystem", None)  # as if torch had none
+    monkeypatch.delattr(dcp, "_fsspec_filesystem", raising=False)
     release = ".".join(map(str, compat.torch_release()))
     with pytest.raises(RuntimeError, match=rf"Sharded checkpoints at URLs \('memory:///bucket/run/last\.ckpt'\) need"
                                            rf" torch\.distributed\.checkpoint's fsspec storage, which torch {release} does"
