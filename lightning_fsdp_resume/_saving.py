@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from . import _atomic, _format, _remote
 from . import _torch_compat as compat
-from ._ranks import barrier, broadcast, decided_on_rank_zero
+from ._ranks import barrier, broadcast, decided_on_rank_zero, warn_rank_zero
 
 
 def is_full(strategy: Any) -> bool:
@@ -35,6 +35,24 @@ def refuse_storage_options(storage_options: Optional[Any]) -> None:
             " credentials and endpoint to every rank through its environment (for S3: AWS_* or FSSPEC_S3_*"
             " variables), where the loads that resume from it find them too."
         )
+
+
+def synchronous_io(strategy: Any) -> Any:
+    """The Trainer's ``CheckpointIO`` for a full save, one that has written the file when it returns.
+
+    Lightning's ``AsyncCheckpointIO`` writes in a background thread: the partial file would be published, and the
+    checkpoint it replaces removed, before it is written. Until saves in the background publish when complete,
+    its wrapped ``CheckpointIO`` writes in the foreground, and rank 0 says so (a sharded save never used it)."""
+    io = strategy.checkpoint_io
+    wrapped = getattr(io, "checkpoint_io", None)
+    if type(io).__name__ != "AsyncCheckpointIO" or wrapped is None:
+        return io
+    warn_rank_zero(
+        strategy,
+        "lightning_fsdp_resume: FSDPStrategy saves checkpoints in the foreground, AsyncCheckpointIO or not: its"
+        " background thread would let a checkpoint be published before it is written.",
+    )
+    return wrapped
 
 
 def with_rank_zeros_buffers(strategy: Any, model_state: Dict[str, Any]) -> Dict[str, Any]:

@@ -121,9 +121,10 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     states = _rank_states.gathered(self.model)  # every rank's RNG states and rank-local buffers, on rank 0
     if states is not None:
         checkpoint[_rank_states.KEY] = states
+    io = _saving.synchronous_io(self)
     if _saving.is_full(self):
         # a str: Lightning's CheckpointIO opens a URL with fsspec, a local path as it is
-        _saving.write_full(self, filepath, lambda partial: self.checkpoint_io.save_checkpoint(checkpoint, str(partial)))
+        _saving.write_full(self, filepath, lambda partial: io.save_checkpoint(checkpoint, str(partial)))
         return
     stored = _stored(checkpoint, keep_optimizer_states=False)
     stored[_format.MODEL_KEY] = _saving.with_rank_zeros_buffers(self, stored[_format.MODEL_KEY])
