@@ -60,6 +60,13 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
+def pytest_collection_modifyitems(items):
+    """Every test that uses the S3 server is marked ``s3``: tox leaves them out where only Python or wrapt differs."""
+    for item in items:
+        if "s3_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.s3)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server on 127.0.0.1 (support/s3.py), for the session; this process's fsspec is
