@@ -278,8 +278,11 @@ def storage_writer(path: Any) -> Any:
 
     if not _remote.is_remote(path):
         return dcp.FileSystemWriter(str(path), single_file_per_rank=True)
-    # sync_files: object stores have nothing to fsync; an object is complete once its upload is
-    return _fsspec_storage("FsspecWriter", path)(str(path), single_file_per_rank=True, sync_files=False)
+    writer = _fsspec_storage("FsspecWriter", path)
+    # sync_files (torch 2.4+; torch 2.2's writer never syncs): object stores have nothing to fsync, an object is
+    # complete once its upload is
+    options = {"sync_files": False} if _takes(writer, "sync_files") else {}
+    return writer(str(path), single_file_per_rank=True, **options)
 
 
 def storage_reader(path: Any) -> Any:
@@ -301,6 +304,12 @@ def _takes_storage_options(storage_class: Any) -> bool:
 
     parameters = inspect.signature(storage_class.__init__).parameters.values()
     return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
+
+
+def _takes(storage_class: Any, argument: str) -> bool:
+    import inspect
+
+    return argument in inspect.signature(storage_class.__init__).parameters
 
 
 def _fsspec_storage(name: str, path: Any) -> Any:

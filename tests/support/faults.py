@@ -71,6 +71,12 @@ def kill_during_saves(strategy, point: str, rank: int, save: int, fault=sigkill)
         if hasattr(dcp, name):
             around(dcp, name, "before-shards", "after-shards")
     around(fs.FileSystemWriter, "write_data", "", "mid-shards")
+    try:  # the writer to URLs: a FileSystemWriter from torch 2.4, a writer of its own in torch 2.2
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    except ImportError:
+        FsspecWriter = fs.FileSystemWriter
+    if not issubclass(FsspecWriter, fs.FileSystemWriter):
+        around(FsspecWriter, "write_data", "", "mid-shards")
     around(_atomic, "publish", "before-publish", "after-publish")
     around(_remote, "commit", "before-publish", "after-publish")
     around(_remote, "publish_file", "before-publish", "after-publish")
