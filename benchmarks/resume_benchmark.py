@@ -44,6 +44,9 @@ MB = 1e6
 RESUME_TIME_RATIO_LIMIT = 1.05
 FULL_RESUME_MEMORY_RATIO_LIMIT = 1.02  # "no worse than native", within 2% for sampling noise
 IMPORT_LIMIT_S = 0.005
+# a sharded save or resume within this multiple of the disk's own time for the same bytes, from this much state
+RAW_TIME_RATIO_LIMIT = 2.0
+RAW_TARGET_MIN_STATE = 1.5e9
 
 
 def _env() -> Dict[str, str]:
@@ -72,8 +75,9 @@ def launch(python: str, phase: str, kind: str, checkpoint: Any, out: Path, args:
     return [json.loads((out / f"{phase}_rank{rank}.json").read_text()) for rank in range(RANKS)]
 
 
-def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path) -> Dict[Tuple[str, str, str], List]:
-    """``{(phase, kind, side): [per-repeat list of rank records]}``, the sides interleaved run by run."""
+def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path, raw: Dict[str, List[Dict]]) -> Dict[Tuple[str, str, str], List]:
+    """``{(phase, kind, side): [per-repeat list of rank records]}``, the sides interleaved run by run. Into ``raw``,
+    per kind, the raw I/O of as many bytes as the shim's checkpoint holds, on the same disk, each repeat."""
     results: Dict[Tuple[str, str, str], List] = {}
     for repeat in range(args.repeats):
         for kind in KINDS:
@@ -84,8 +88,41 @@ def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir:
                     print(f"repeat {repeat + 1}/{args.repeats}: {side:<6} {kind:<7} {phase}", file=sys.stderr, flush=True)
                     records = launch(python, phase, kind, checkpoint, run_dir, args)
                     results.setdefault((phase, kind, side), []).append(records)
+                if side == "shim":
+                    print(f"repeat {repeat + 1}/{args.repeats}: raw I/O of the {kind} checkpoint's bytes", file=sys.stderr, flush=True)
+                    raw.setdefault(kind, []).append(raw_io(run_dir, _bytes_of(checkpoint)))
                 shutil.rmtree(run_dir)  # a few hundred MB each
     return results
+
+
+def _bytes_of(checkpoint: Path) -> int:
+    files = [checkpoint] if checkpoint.is_file() else [p for p in checkpoint.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files)
+
+
+_RAW_BLOCK = 8 << 20
+
+
+def raw_io(directory: Path, size: int) -> Dict[str, float]:
+    """The disk's own time for ``size`` bytes in ``directory``: written in 8 MB blocks and fsynced, then read back
+    cold (its pages dropped from the page cache first, where the platform allows)."""
+    path = directory / "raw-io"
+    block = os.urandom(_RAW_BLOCK)  # not zeros, which a file system may store without writing
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as handle:
+        for offset in range(0, size, _RAW_BLOCK):
+            handle.write(block[: min(_RAW_BLOCK, size - offset)])
+        os.fsync(handle.fileno())
+    written = time.perf_counter() - start
+    with open(path, "rb", buffering=0) as handle:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        while handle.read(_RAW_BLOCK):
+            pass
+        read = time.perf_counter() - start
+    path.unlink()
+    return {"bytes": size, "write": written, "read": read}
 
 
 class Figures:
@@ -131,7 +168,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: argparse.Namespace) -> str:
+def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: argparse.Namespace,
+           raw: Optional[Dict[str, List[Dict]]] = None) -> str:
     sides = sorted({side for _, _, side in figures}, key=["shim", "native"].index)
     any_figures = next(iter(figures.values()))
     lines = [
@@ -161,6 +199,22 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
                 rows.append([phase, kind, *(_show(r) for r in ratios[(phase, kind)])])
         lines += ["", table(["phase", "kind", "time shim/native", "peak growth shim/native (worst rank)"], rows)]
 
+    raw_ratios: Dict[Tuple[str, str], Optional[float]] = {}
+    if raw:
+        rows = []
+        for phase in PHASES:
+            for kind in KINDS:
+                medium = "write" if phase == "save" else "read"
+                raw_time = statistics.median(r[medium] for r in raw[kind])
+                shim_time = figures[(phase, kind, "shim")].time
+                raw_ratios[(phase, kind)] = _ratio(shim_time, raw_time)
+                rows.append([phase, kind, _mb(statistics.median(r["bytes"] for r in raw[kind])), f"{shim_time:.3f}",
+                             f"{raw_time:.3f} ({'write + fsync' if phase == 'save' else 'cold read'})",
+                             _show(raw_ratios[(phase, kind)])])
+        lines += ["", "Against the disk itself: the same number of bytes as the shim's checkpoint, written and fsynced,"
+                  " or read cold, in the same run (a resume reads a checkpoint just written, from the page cache).", "",
+                  table(["phase", "kind", "checkpoint MB", "shim s", "raw I/O s", "shim/raw"], rows)]
+
     sharded = figures[("resume", "sharded", "shim")]
     allowance = sharded.full_state / RANKS + args.allowance_mb * MB
     targets = [
@@ -182,6 +236,13 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
     targets.append(("full resume peak growth shim/native (worst rank)", _show(memory_ratio),
                     f"≤ {FULL_RESUME_MEMORY_RATIO_LIMIT}",
                     None if memory_ratio is None else memory_ratio <= FULL_RESUME_MEMORY_RATIO_LIMIT))
+    large = sharded.full_state >= RAW_TARGET_MIN_STATE
+    for phase in PHASES:
+        ratio = raw_ratios.get((phase, "sharded"))
+        figure = _show(ratio) + ("" if large or ratio is None else f" (state {_mb(sharded.full_state)} MB: below the size it is set for)")
+        targets.append((f"sharded {phase} time / raw I/O of the same bytes, at ≥ {_mb(RAW_TARGET_MIN_STATE)} MB of state",
+                        figure, f"≤ {RAW_TIME_RATIO_LIMIT:g}",
+                        None if ratio is None or not large else ratio <= RAW_TIME_RATIO_LIMIT))
     added_ms = imports["added"] * 1e3
     targets.append((f"import lightning_fsdp_resume after import wrapt (median of {imports['repeats']})",
                     f"+{added_ms:.2f} ms ({imports['wrapt'] * 1e3:.2f} → {imports['wrapt_and_shim'] * 1e3:.2f} ms)",
@@ -389,12 +450,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     consolidated = ""
     remote: Dict[Tuple[str, str], Dict[str, List[float]]] = {}
+    raw: Dict[str, List[Dict]] = {}
     try:
         if args.consolidate_from is not None:
             records = measure_consolidate(sys.executable, args.consolidate_from, workdir, args.repeats)
             print(consolidate_report(records, repr(str(args.consolidate_from))))
             return 0
-        results = run_all(sides, args, workdir)
+        results = run_all(sides, args, workdir, raw)
         if args.consolidate:
             consolidated = consolidate_a_save(args, workdir)
         if args.remote:
@@ -407,7 +469,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     imports = import_time.measure(sys.executable, args.import_repeats, env=_env())
     figures = {key: Figures(value) for key, value in results.items()}
-    print(report(figures, imports, args))
+    print(report(figures, imports, args, raw))
     if remote:
         print("\n" + remote_report(remote, figures))
     if consolidated:

@@ -39,7 +39,7 @@ def _tables(output: str):
 def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_path):
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS, "--repeats", "1",
                    "--import-repeats", "2", "--workdir", str(tmp_path), *REMOTE], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""})
-    figures, targets, *remote = _tables(output)
+    figures, raw, targets, *remote = _tables(output)
     assert [(r["phase"], r["kind"], r["side"]) for r in figures] == [
         (phase, kind, "shim") for phase in ("save", "resume") for kind in ("sharded", "full")
     ]
@@ -48,7 +48,14 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
         assert float(row["time s"]) > 0
         for rank in (0, 1):
             assert re.fullmatch(r"-?\d+\.\d \(-?\d+\.\d–-?\d+\.\d\)", row[f"rank {rank} peak growth MB (range)"]), row
+    assert [(r["phase"], r["kind"]) for r in raw] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
+    for row in raw:
+        medium = "write \\+ fsync" if row["phase"] == "save" else "cold read"
+        assert re.fullmatch(rf"\d+\.\d{{3}} \({medium}\)", row["raw I/O s"]) and float(row["checkpoint MB"]) >= 0, row
+        assert re.fullmatch(r"\d+\.\d\d|n/a", row["shim/raw"]), row  # n/a: a read too small to time
     verdicts = {row["target"].split(":")[0].split(" (")[0]: row["met"] for row in targets}
+    for phase in ("save", "resume"):  # a smoke-sized state is below the size the target is set for
+        assert verdicts[f"sharded {phase} time / raw I/O of the same bytes, at ≥ 1500.0 MB of state"] == "not measured"
     assert verdicts["sharded resume"] in ("yes", "**NO**")
     assert verdicts["full save"] in ("yes", "**NO**")
     assert verdicts["sharded resume time shim/native"] == "not measured"  # no native side given
