@@ -20,7 +20,9 @@ def wrap_load(original_load: Callable) -> Callable:
 
     @functools.wraps(original_load)
     def _load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(path_or_url, (str, Path)):
+        # http(s) URLs are Lightning's to download (torch.hub): asking fsspec's http file system whether one is a
+        # directory would fetch the whole file as a page of links
+        if isinstance(path_or_url, (str, Path)) and not str(path_or_url).startswith("http"):
             source = _remote.resolve(_remote.location(path_or_url, "load"))
             if source.is_dir():
                 return read_whole(source, map_location)

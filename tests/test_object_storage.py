@@ -168,6 +168,17 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
         compat.storage_writer(location(f"{MEMORY}/last.ckpt", "save"))
 
 
+def test_http_checkpoints_are_left_to_lightnings_own_download():
+    """Lightning reads an http(s) URL with torch.hub; the reader's wrap hands it over without asking fsspec (whose
+    http file system would fetch the whole file to see whether it is a directory)."""
+    from lightning_fsdp_resume._reader import wrap_load
+
+    calls = []
+    url = "https://example.invalid/checkpoints/last.ckpt"  # never contacted: .invalid resolves nowhere
+    assert wrap_load(lambda *args: calls.append(args) or "downloaded")(url, "cpu") == "downloaded"
+    assert calls == [(url, "cpu")]
+
+
 def test_file_urls_are_local_paths(tmp_path):
     from lightning_fsdp_resume._remote import location
 
