@@ -13,10 +13,9 @@ import functools
 import importlib
 import inspect
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from . import _format, _loading, _remote, _saving, _signature, _verify
+from . import _format, _loading, _reader, _remote, _saving, _signature, _verify
 from . import _torch_compat as compat
 from ._remote import AnyPath
 
@@ -313,8 +312,8 @@ def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_onl
     from torch.nn.parallel import DistributedDataParallel
 
     # other strategies of 2.0.x: what native 2.1's base one does, through the strategy's CheckpointIO
-    source = _remote.resolve(_remote.location(path, "load")) if isinstance(path, (str, Path)) else None
-    if source is not None and source.is_dir():
+    source = _reader.sharded_directory(path)
+    if source is not None:
         _checked_raw(source, bool(weights_only))  # a sharded checkpoint holds no single state dict: refused
     state = self._strategy.checkpoint_io.load_checkpoint(path)
     if isinstance(obj, DistributedDataParallel):

@@ -7,7 +7,7 @@ write, with no process group and no FSDP. Everything else is left to Lightning's
 """
 import functools
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 from . import _consolidate, _format, _remote, _verify
 from ._patcher import Patcher, Wrap
@@ -20,15 +20,22 @@ def wrap_load(original_load: Callable) -> Callable:
 
     @functools.wraps(original_load)
     def _load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # http(s) URLs are Lightning's to download (torch.hub): asking fsspec's http file system whether one is a
-        # directory would fetch the whole file as a page of links
-        if isinstance(path_or_url, (str, Path)) and not str(path_or_url).startswith("http"):
-            source = _remote.resolve(_remote.location(path_or_url, "load"))
-            if source.is_dir():
-                return read_whole(source, map_location)
+        source = sharded_directory(path_or_url)
+        if source is not None:
+            return read_whole(source, map_location)
         return original_load(path_or_url, map_location, *args, **kwargs)
 
     return _load
+
+
+def sharded_directory(path: Any) -> Optional[AnyPath]:
+    """The directory to read whole where ``path`` names one (at a URL: the data its pointer names); None otherwise.
+    http(s) URLs are Lightning's to download (torch.hub): asking fsspec's http file system whether one is a
+    directory would fetch the whole file as a page of links."""
+    if not isinstance(path, (str, Path)) or str(path).startswith("http"):
+        return None
+    source = _remote.resolve(_remote.location(path, "load"))
+    return source if source.is_dir() else None
 
 
 def wrap_load_state(original_load_state: Callable) -> Callable:
