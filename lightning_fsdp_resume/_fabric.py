@@ -11,7 +11,6 @@ failed to load the model and silently gave every rank rank 0's optimizer shard.
 """
 import functools
 import importlib
-import inspect
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
@@ -259,7 +258,7 @@ def wrap_save(original_save: Callable) -> Callable:
     @functools.wraps(original_save)
     def save(self: Any, path: Any, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         _check_filter(filter, state)
-        if not _takes(self._strategy.save_checkpoint, "filter"):
+        if not _signature.takes(self._strategy.save_checkpoint, "filter"):
             if filter is not None:
                 raise NotImplementedError(_only_fsdp(self, "save(..., filter=...)"))
             return original_save(self, path, state)
@@ -279,7 +278,7 @@ def wrap_load(original_load: Callable) -> Callable:
     def load(
         self: Any, path: Any, state: Optional[Dict[str, Any]] = None, strict: bool = True, *, weights_only: Optional[bool] = None,
     ) -> Dict[str, Any]:
-        if not _takes(self._strategy.load_checkpoint, "strict"):
+        if not _signature.takes(self._strategy.load_checkpoint, "strict"):
             _refuse_new_arguments(self, "load", strict, weights_only)
             return original_load(self, path, state)
         unwrapped = _unwrap(self, state)
@@ -304,7 +303,7 @@ def wrap_load(original_load: Callable) -> Callable:
 def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_only: Optional[bool] = None) -> None:
     """``Fabric.load_raw``: a module's or optimizer's own state dict from one file (saved without Fabric)."""
     wrapper, obj = obj, _unwrap(self, obj)
-    if _takes(self._strategy.load_checkpoint, "strict"):
+    if _signature.takes(self._strategy.load_checkpoint, "strict"):
         self._strategy.load_checkpoint(path=path, state=obj, strict=strict, weights_only=weights_only)
         return
     _refuse_new_arguments(self, "load_raw", True, weights_only)
@@ -343,11 +342,6 @@ def _refuse_new_arguments(fabric: Any, method: str, strict: bool, weights_only: 
         raise NotImplementedError(_only_fsdp(fabric, f"{method}(..., strict=False)"))
     if weights_only is not None:
         raise NotImplementedError(_only_fsdp(fabric, f"{method}(..., weights_only=...)"))
-
-
-def _takes(method: Callable, argument: str) -> bool:
-    """Whether a strategy method takes ``argument``: the patched FSDP strategy's do, 2.0.x's others do not."""
-    return argument in inspect.signature(method).parameters
 
 
 def _only_fsdp(fabric: Any, call: str) -> str:

@@ -148,10 +148,6 @@ def is_local(fs: Any) -> bool:
     return "file" in ([protocol] if isinstance(protocol, str) else list(protocol))
 
 
-def is_remote(path: Any) -> bool:
-    return isinstance(path, RemotePath)
-
-
 class RemoteCheckpointError(OSError):
     """A save to a URL that did not complete; nothing of it was committed."""
 

@@ -145,7 +145,7 @@ def _check_destination(path: Any, full: bool) -> None:
         _remote.check_bucket(path)
     if not path.is_dir():
         return
-    replaceable = not _remote.is_remote(path) and _format.is_replaceable_directory(path)
+    replaceable = not isinstance(path, _remote.RemotePath) and _format.is_replaceable_directory(path)
     if not (replaceable and (not full or any(path.iterdir()))):
         raise IsADirectoryError(
             f"The checkpoint path exists and is a directory: {path}. It is not a sharded checkpoint this package"

@@ -276,19 +276,21 @@ def storage_writer(path: Any) -> Any:
     """torch.distributed.checkpoint's writer into the directory ``path``: a local one, or a URL through fsspec."""
     import torch.distributed.checkpoint as dcp
 
-    if not _remote.is_remote(path):
+    if not isinstance(path, _remote.RemotePath):
         return dcp.FileSystemWriter(str(path), single_file_per_rank=True)
     writer = _fsspec_storage("FsspecWriter", path)
     # sync_files (torch 2.4+; torch 2.2's writer never syncs): object stores have nothing to fsync, an object is
     # complete once its upload is
-    options = {"sync_files": False} if _takes(writer, "sync_files") else {}
+    from ._signature import takes  # here: _signature imports this module
+
+    options = {"sync_files": False} if takes(writer.__init__, "sync_files") else {}
     return writer(str(path), single_file_per_rank=True, **options)
 
 
 def storage_reader(path: Any) -> Any:
     import torch.distributed.checkpoint as dcp
 
-    if not _remote.is_remote(path):
+    if not isinstance(path, _remote.RemotePath):
         return dcp.FileSystemReader(str(path))
     reader = _fsspec_storage("FsspecReader", path)
     if _takes_storage_options(reader) and hasattr(path.fs, "default_cache_type"):
@@ -304,12 +306,6 @@ def _takes_storage_options(storage_class: Any) -> bool:
 
     parameters = inspect.signature(storage_class.__init__).parameters.values()
     return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
-
-
-def _takes(storage_class: Any, argument: str) -> bool:
-    import inspect
-
-    return argument in inspect.signature(storage_class.__init__).parameters
 
 
 def _fsspec_storage(name: str, path: Any) -> Any:
@@ -380,7 +376,7 @@ def load_file(path: AnyPath, lazy: bool, weights_only: bool = False) -> Any:
     """
     import torch
 
-    if _remote.is_remote(path):  # read whole into memory: an object cannot be memory-mapped
+    if isinstance(path, _remote.RemotePath):  # read whole into memory: an object cannot be memory-mapped
         return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=weights_only)
     filename = str(path)  # torch 2.1/2.2 memory-map only a str filename, not a Path
     if lazy and torch_release() >= _LOAD_MMAP:
@@ -397,7 +393,7 @@ def save_file(obj: Any, path: Any) -> None:
     """``torch.save`` flushed to the disk: it is about to be published by a rename. At a URL: one object."""
     import torch
 
-    if _remote.is_remote(path):
+    if isinstance(path, _remote.RemotePath):
         with path.open("wb") as handle:
             torch.save(obj, handle)
         return
