@@ -15,7 +15,7 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 from ._patcher import NotOutermostError, Patcher
 from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, Target, decide, installed_version
 
-__all__ = ["patch", "unpatch", "status", "FlavourStatus", "DISABLE_ENV", "RankStates"]
+__all__ = ["patch", "unpatch", "status", "wait_for_saves", "FlavourStatus", "DISABLE_ENV", "RankStates"]
 __version__ = "0.1.0"
 
 DISABLE_ENV = "LIGHTNING_FSDP_RESUME_DISABLE"
@@ -113,6 +113,20 @@ def _status_of(flavour: Flavour) -> FlavourStatus:
         return FlavourStatus(flavour.package, version, "partly patched", why, patched)
     why = f"patching is off (unpatch() was called, or {DISABLE_ENV} is set)"
     return FlavourStatus(flavour.package, version, "unpatched", why)
+
+
+def wait_for_saves(obj) -> None:
+    """Wait for this rank's checkpoint save in the background, if one runs, and raise its failure (as every rank
+    does). ``obj``: a ``Fabric`` or a ``Trainer``, or their strategy.
+
+    Saves run in the background with Fabric's ``FSDPStrategy(async_save=True)`` and the Trainer's
+    ``AsyncCheckpointIO``. The next save and every load wait by themselves, as the end of the Trainer's ``fit``
+    does; a Fabric script calls this where it needs the checkpoint in place: before it ends, or before it
+    destroys the process group. Every rank raises the same failure.
+    """
+    from ._background import wait
+
+    wait(getattr(obj, "strategy", obj))
 
 
 def __getattr__(name: str):

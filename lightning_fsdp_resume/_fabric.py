@@ -23,9 +23,10 @@ OLD_TORCH_ERROR = "Saving and loading checkpoints with the `FSDPStrategy` is not
 
 
 def wrap_init(original_init: Callable) -> Callable:
-    """``FSDPStrategy(..., state_dict_type="sharded" | "full")``, ``"sharded"`` by default as in native Fabric 2.1
-    (the Trainer's default is ``"full"``)."""
-    return _signature.wrap_init(original_init, default="sharded", old_torch_error=None)
+    """``FSDPStrategy(..., state_dict_type="sharded" | "full", async_save=False)``: ``"sharded"`` by default as in
+    native Fabric 2.1 (the Trainer's default is ``"full"``); ``async_save=True`` saves in the background (the
+    Trainer's switch is Lightning's ``AsyncCheckpointIO``)."""
+    return _signature.wrap_init(original_init, default="sharded", old_torch_error=None, async_save=True)
 
 
 # --- the strategy ------------------------------------------------------------------------------------------
@@ -61,13 +62,16 @@ def save_checkpoint(
         else:
             converted, into = (obj.state_dict() if _is_stateful(obj) else obj), metadata
         _keep(key, (filter or {}).get(key), converted, into)
+    background = _saving.in_background(self, asked=getattr(self, "_async_save", False))
     if full:
         # Rank 0 alone holds the gathered entries; only it writes.
-        _saving.write_full(self, path, lambda partial: compat.save_file({**stored, **metadata}, partial))
+        _saving.write_full(self, path, {**stored, **metadata}, compat.save_file, background)
     else:
         if module_key in stored:
             stored[module_key] = _saving.with_rank_zeros_buffers(self, stored[module_key])
-        _saving.write_sharded(self, path, stored, metadata)
+        optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
+        live = _saving.training_tensors(module, optimizers) if background else ()
+        _saving.write_sharded(self, path, stored, metadata, background, live)
 
 
 def load_checkpoint(

@@ -8,7 +8,7 @@ patching or about the Trainer or Fabric.
 """
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from . import _format, _remote, _verify
+from . import _background, _format, _remote, _verify
 from . import _torch_compat as compat
 from ._ranks import broadcast, decided_on_rank_zero, warn_rank_zero
 from ._remote import AnyPath
@@ -50,6 +50,7 @@ def load(
     Every rank loads what rank 0 names, so all shards come from one checkpoint; rank 0 checks the files
     before anything is loaded and every rank raises its verdict, so none waits in a collective.
     """
+    _background.wait(strategy)  # a save still writing: it may be the very checkpoint asked for
     target = broadcast(strategy, str(path))
     # rank 0 follows a URL's pointer once: every rank reads that data, even if a save commits another meanwhile
     resolved, kind, verdict = decided_on_rank_zero(strategy, _resolved_and_checked, target, check, weights_only)

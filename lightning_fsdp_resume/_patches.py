@@ -33,6 +33,8 @@ FSDP_STRATEGY_PATCHES = {
     "remove_checkpoint": Wrap(_strategy.wrap_remove_checkpoint),
     # each rank's RNG states and buffers, restored as the resumed fit starts training
     "on_train_start": Wrap(_strategy.wrap_on_train_start),
+    # AsyncCheckpointIO: the end of fit waits for the save in the background and raises its failure
+    "teardown": Wrap(_strategy.wrap_teardown),
 }
 
 FABRIC_FSDP_STRATEGY_PATCHES = {

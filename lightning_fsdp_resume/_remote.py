@@ -171,13 +171,13 @@ def check_bucket(path: RemotePath) -> None:
 def save_failed(path: RemotePath, error: BaseException) -> RemoteCheckpointError:
     """The error every rank raises for a save to ``path`` that failed with ``error`` (any rank's)."""
     return RemoteCheckpointError(
-        f"Could not save the checkpoint {str(path)!r}: {_cause(error)}. Nothing of this save was committed: the URL"
+        f"Could not save the checkpoint {str(path)!r}: {describe_failure(error)}. Nothing of this save was committed: the URL"
         " holds what it held before, and what the save wrote goes with the next save into that directory. Check the"
         " store's permissions, the bucket and the network, then save again."
     )
 
 
-def _cause(error: BaseException) -> str:
+def describe_failure(error: BaseException) -> str:
     """The first failure behind ``error``: torch.distributed.checkpoint reports every rank's in ``failures``."""
     where = ""
     failures = getattr(error, "failures", None)

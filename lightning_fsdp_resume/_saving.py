@@ -5,10 +5,12 @@ checkpoint at its path only once it is complete (the previous one stays whole un
 full one is written) is passed in. Nothing here knows about patching or about the Trainer or Fabric.
 """
 import contextlib
+import functools
 import secrets
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
-from . import _atomic, _format, _remote
+from . import _atomic, _background, _format, _remote
 from . import _torch_compat as compat
 from ._ranks import barrier, broadcast, decided_on_rank_zero, warn_rank_zero
 
@@ -37,22 +39,47 @@ def refuse_storage_options(storage_options: Optional[Any]) -> None:
         )
 
 
-def synchronous_io(strategy: Any) -> Any:
-    """The Trainer's ``CheckpointIO`` for a full save, one that has written the file when it returns.
+def plain_io(strategy: Any) -> Any:
+    """The Trainer's ``CheckpointIO`` that writes a full checkpoint when called: ``AsyncCheckpointIO``'s wrapped one.
 
-    Lightning's ``AsyncCheckpointIO`` writes in a background thread: the partial file would be published, and the
-    checkpoint it replaces removed, before it is written. Until saves in the background publish when complete,
-    its wrapped ``CheckpointIO`` writes in the foreground, and rank 0 says so (a sharded save never used it)."""
+    ``AsyncCheckpointIO``'s own thread would write the file after it is published and the checkpoint it replaces
+    removed. Its request for saves in the background is answered here instead (``in_background``)."""
     io = strategy.checkpoint_io
     wrapped = getattr(io, "checkpoint_io", None)
-    if type(io).__name__ != "AsyncCheckpointIO" or wrapped is None:
-        return io
+    return wrapped if asks_for_background(strategy) and wrapped is not None else io
+
+
+def in_background(strategy: Any, asked: bool) -> bool:
+    """Whether a save that ``asked`` to be written in the background can be: a torch with ``dcp.async_save`` and a
+    process group (the threads agree over one). Else it is written in the foreground, and rank 0 says why once."""
+    if not asked:
+        return False
+    if compat.saves_in_background() and compat.distributed():
+        return True
+    release = ".".join(map(str, compat.torch_release()))
     warn_rank_zero(
         strategy,
-        "lightning_fsdp_resume: FSDPStrategy saves checkpoints in the foreground, AsyncCheckpointIO or not: its"
-        " background thread would let a checkpoint be published before it is written.",
+        f"lightning_fsdp_resume: FSDP checkpoints are saved in the foreground: saving them in the background needs"
+        f" torch >= 2.3 (torch.distributed.checkpoint.async_save) and a process group; this is torch {release}"
+        f"{'' if compat.distributed() else ', without a process group'}.",
     )
-    return wrapped
+    return False
+
+
+def asks_for_background(strategy: Any) -> bool:
+    """Whether the Trainer's plugins include Lightning's ``AsyncCheckpointIO``."""
+    return type(strategy.checkpoint_io).__name__ == "AsyncCheckpointIO"
+
+
+def training_tensors(module: Any, optimizers: Iterable[Any]) -> Iterator[Any]:
+    """What training changes in place: ``module``'s parameters and buffers, and the optimizers' states."""
+    import torch
+
+    yield from module.parameters()
+    yield from module.buffers()
+    for optimizer in optimizers:
+        for state in getattr(optimizer, "_optimizer", optimizer).state.values():  # a LightningOptimizer's own
+            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
 
 def with_rank_zeros_buffers(strategy: Any, model_state: Dict[str, Any]) -> Dict[str, Any]:
@@ -63,21 +90,48 @@ def with_rank_zeros_buffers(strategy: Any, model_state: Dict[str, Any]) -> Dict[
     return {name: value for name, value in model_state.items() if compat.is_shard(value)}
 
 
-def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any]) -> None:
+def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any], background: bool = False,
+                  live: Iterable[Any] = ()) -> None:
     """Every rank writes its shards of ``stored`` and rank 0 ``metadata`` (``meta.pt``) into a hidden partial
     sibling; rank 0 puts it at ``filepath`` once every rank has finished.
 
     Native 2.1.4 writes in place: a crash mid-save leaves a mix of old and new shards that loads. Here the
     previous checkpoint at ``filepath`` stays intact until the new one is complete: on a local disk the partial
     directory is renamed into place, at a URL its pointer is written (``_remote``).
+
+    ``background``: return once the state is in host memory, where training cannot change it: the entries of
+    ``stored`` that share the storage of a ``live`` tensor (the module's and optimizers', which training changes)
+    are copied, ``metadata`` all; torch's ``async_save`` writes the shards, and rank 0 publishes once every rank's are
+    written (``_background``).
     """
+    _background.wait(strategy)
     path, partial = _destination(strategy, filepath, full=False)
+    if background:
+        stored, metadata = compat.host_copy(stored, compat.storages(live)), compat.host_copy(metadata)
+        written = _started(lambda: _start_shards(partial, stored, _background.process_group(strategy)))
+        _background.start(strategy, path, written.result, functools.partial(_publish_sharded, partial, path, metadata))
+        return
     with _reported(path):
         partial.mkdir(parents=True, exist_ok=True)
         compat.save_distributed(stored, partial)
         barrier(strategy)  # every rank's shards are written
         # rank 0 finishes; the others wait for it and raise its error (a store that refused meta.pt, say) with it
         decided_on_rank_zero(strategy, _publish_sharded, partial, path, metadata)
+
+
+def _start_shards(partial: Any, stored: Dict[str, Any], group: Any) -> Future:
+    partial.mkdir(parents=True, exist_ok=True)
+    return compat.save_distributed_in_background(stored, partial, group)
+
+
+def _started(start: Callable[[], Future]) -> Future:
+    """``start()``'s future, or one holding its error: a rank whose start failed still joins the others' verdict."""
+    try:
+        return start()
+    except Exception as error:
+        failed: Future = Future()
+        failed.set_exception(error)
+        return failed
 
 
 def _publish_sharded(partial: Any, path: Any, metadata: Dict[str, Any]) -> None:
@@ -89,12 +143,25 @@ def _publish_sharded(partial: Any, path: Any, metadata: Dict[str, Any]) -> None:
     _remove_leftovers(path)
 
 
-def write_full(strategy: Any, filepath: Any, write: Callable[[Any], None]) -> None:
-    """Rank 0 ``write``s the whole checkpoint to a hidden partial sibling and puts it at ``filepath``; the other
-    ranks wait for it, and raise its error with it."""
+def write_full(strategy: Any, filepath: Any, state: Dict[str, Any], write: Callable[[Dict[str, Any], Any], None],
+               background: bool = False) -> None:
+    """Rank 0 ``write``s the whole checkpoint ``state`` to a hidden partial sibling and puts it at ``filepath``; the
+    other ranks wait for it, and raise its error with it. ``background``: rank 0 writes a copy of ``state`` in a
+    thread, and every rank goes on at once."""
+    _background.wait(strategy)
     path, partial = _destination(strategy, filepath, full=True)
-    with _reported(path):
-        decided_on_rank_zero(strategy, _publish_full, path, partial, write)
+    if not background:
+        with _reported(path):
+            decided_on_rank_zero(strategy, _publish_full, path, partial, functools.partial(write, state))
+        return
+    on_rank_zero = _nothing
+    if strategy.global_rank == 0:  # the only rank that holds the gathered state
+        on_rank_zero = functools.partial(_publish_full, path, partial, functools.partial(write, compat.host_copy(state)))
+    _background.start(strategy, path, on_rank_zero, _nothing)
+
+
+def _nothing() -> None:
+    pass
 
 
 @contextlib.contextmanager

@@ -14,21 +14,28 @@ def takes(function: Callable, argument: str) -> bool:
     return argument in inspect.signature(function).parameters
 
 
-def wrap_init(original_init: Callable, default: StateDictType, old_torch_error: Optional[str]) -> Callable:
+def wrap_init(original_init: Callable, default: StateDictType, old_torch_error: Optional[str], async_save: bool = False) -> Callable:
     """``__init__(..., state_dict_type=default)``; Lightning 2.0.x would pass the argument on to FSDP.
 
     ``old_torch_error``: the ``NotImplementedError`` message for ``"sharded"`` on torch < 2.0 (None: no check
-    here). The wrapper's signature is the original's plus ``state_dict_type``.
+    here). ``async_save``: also take ``async_save=False`` (Fabric's switch for saves in the background). The
+    wrapper's signature is the original's plus what it takes.
     """
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, state_dict_type: StateDictType = default, **kwargs: Any) -> None:
         if old_torch_error and state_dict_type == "sharded" and not compat.supports_sharded_checkpoints():
             raise NotImplementedError(old_torch_error)
+        background = bool(kwargs.pop("async_save", False)) if async_save else False
         original_init(self, *args, **kwargs)
         self._state_dict_type = state_dict_type
+        if async_save:
+            self._async_save = background
 
-    __init__.__signature__ = with_keyword(original_init, "state_dict_type", default, StateDictType)  # type: ignore[attr-defined]
+    signature = with_keyword(original_init, "state_dict_type", default, StateDictType)
+    if async_save:
+        signature = with_keyword(signature, "async_save", False, bool)
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
     return __init__
 
 

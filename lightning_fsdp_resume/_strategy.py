@@ -8,7 +8,7 @@ alike by touching Lightning only through the strategy object. What Fabric's stra
 import functools
 from typing import Any, Callable, Dict, Optional
 
-from . import _format, _loading, _rank_states, _ranks, _remote, _saving, _signature, _verify
+from . import _background, _format, _loading, _rank_states, _ranks, _remote, _saving, _signature, _verify
 from . import _torch_compat as compat
 from ._remote import AnyPath
 
@@ -121,27 +121,57 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     states = _rank_states.gathered(self.model)  # every rank's RNG states and rank-local buffers, on rank 0
     if states is not None:
         checkpoint[_rank_states.KEY] = states
-    io = _saving.synchronous_io(self)
+    io = _saving.plain_io(self)
+    background = _saving.in_background(self, asked=_asks_for_background(self))
     if _saving.is_full(self):
         # a str: Lightning's CheckpointIO opens a URL with fsspec, a local path as it is
-        _saving.write_full(self, filepath, lambda partial: io.save_checkpoint(checkpoint, str(partial)))
+        write = lambda state, partial: io.save_checkpoint(state, str(partial))  # noqa: E731
+        _saving.write_full(self, filepath, checkpoint, write, background)
         return
     stored = _stored(checkpoint, keep_optimizer_states=False)
     stored[_format.MODEL_KEY] = _saving.with_rank_zeros_buffers(self, stored[_format.MODEL_KEY])
-    _saving.write_sharded(self, filepath, stored, checkpoint)
+    live = _saving.training_tensors(self.model, self.optimizers) if background else ()
+    _saving.write_sharded(self, filepath, stored, checkpoint, background, live)
+
+
+def _asks_for_background(self: Any) -> bool:
+    """Lightning's ``AsyncCheckpointIO`` asks for saves in the background; they are while ``fit`` runs, whose
+    teardown waits for them. A save after it (``trainer.save_checkpoint``) has its checkpoint written on return."""
+    if not _saving.asks_for_background(self):
+        return False
+    state = self.lightning_module.trainer.state
+    return state.fn == "fit" and state.status == "running"
+
+
+def wrap_teardown(original_teardown: Callable) -> Callable:
+    """The end of ``fit`` (and of every other run) waits for the save in the background and raises its failure."""
+
+    @functools.wraps(original_teardown)
+    def teardown(self: Any) -> None:
+        try:
+            _background.wait(self)
+        finally:
+            original_teardown(self)
+
+    return teardown
 
 
 def wrap_remove_checkpoint(original_remove_checkpoint: Callable) -> Callable:
-    """``ModelCheckpoint``'s removal of a checkpoint it no longer keeps (``save_top_k``): at a URL, the pointer goes
-    before the data it names, so that nothing half-removed is ever read. Lightning's removes the pointer alone."""
+    """``ModelCheckpoint``'s removal of a checkpoint it no longer keeps (``save_top_k``), once the save before it is
+    published. At a URL, the pointer goes before the data it names, so that nothing half-removed is ever read.
+    Lightning's removes the pointer alone."""
 
     @functools.wraps(original_remove_checkpoint)
     def remove_checkpoint(self: Any, filepath: Any) -> None:
         path = _remote.location(filepath, "remove")
         if not isinstance(path, _remote.RemotePath):
-            original_remove_checkpoint(self, filepath)
+            remove = functools.partial(original_remove_checkpoint, self, filepath)
         elif self.is_global_zero:
-            _remote.remove(path)
+            remove = functools.partial(_remote.remove, path)
+        else:
+            return
+        # the checkpoint that replaces this one may still be writing in the background: it goes once that one is in place
+        _background.after_publish(self, remove)
 
     return remove_checkpoint
 

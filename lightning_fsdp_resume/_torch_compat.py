@@ -7,7 +7,7 @@ import functools
 import io
 import os
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Set, Tuple
 
 from . import _format, _remote, _shard_layout
 from ._remote import AnyPath
@@ -30,6 +30,8 @@ CONSOLIDATE_MIN = (2, 2)
 CPU_FSDP_MIN = (2, 2)
 # torch 2.2 alone gathers an optimizer state of use_orig_params=True through torch.cuda calls.
 CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE = (2, 2)
+# torch 2.3 adds dcp.async_save: a sharded save written in a background thread.
+ASYNC_SAVE = (2, 3)
 
 
 def torch_release() -> Tuple[int, ...]:
@@ -323,6 +325,86 @@ def _fsspec_storage(name: str, path: Any) -> Any:
 
 def save_distributed(state: Dict[str, Any], path: Any) -> None:
     _run_dcp("save", state, storage_writer=storage_writer(path))
+
+
+def saves_in_background() -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    return torch_release() >= ASYNC_SAVE and hasattr(dcp, "async_save")
+
+
+def save_distributed_in_background(state: Dict[str, Any], path: Any, group: Any) -> Any:
+    """Start ``dcp.async_save`` of ``state`` (a ``host_copy``, which it writes as it is) into ``path``, its
+    collectives on ``group``; returns its future."""
+    import torch.distributed.checkpoint as dcp
+
+    from ._signature import takes  # here: _signature imports this module
+
+    writer = storage_writer(path)
+    if takes(dcp.async_save, "async_stager"):
+        # torch 2.13's async_save takes a stager; its default one copies the state again, doubling a save's memory
+        return dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=_AlreadyStaged())
+    # torch 2.4's stages through the writer, which moves the state to the CPU, where it already is: no copy
+    return dcp.async_save(state, storage_writer=writer, process_group=group)
+
+
+class _AlreadyStaged:
+    """torch's ``AsyncStager`` protocol for a state that is already a copy in host memory."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        return state
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def host_copy(obj: Any, live: Optional[Set[int]] = None) -> Any:
+    """``obj`` as it is now, for a save that writes it while training goes on: its accelerator tensors copied into
+    host memory, its other leaves deep-copied. ``live``: the storages (``storages``) training changes; host tensors
+    elsewhere are FSDP's own copies, which nothing changes, and are kept as they are (None: every one is copied)."""
+    import copy
+
+    import torch
+
+    if isinstance(obj, dict):
+        return type(obj)((key, host_copy(value, live)) for key, value in obj.items())
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(host_copy(value, live) for value in obj)
+    if type(obj).__name__ == "ShardedTensor":
+        return _sharded_host_copy(obj, live)
+    if isinstance(obj, torch.Tensor):
+        return _host_tensor(obj, live)
+    return copy.deepcopy(obj)
+
+
+def storages(tensors: Iterable[Any]) -> Set[int]:
+    """Where ``tensors`` keep their data, for ``host_copy``'s ``live``."""
+    return {tensor.untyped_storage().data_ptr() for tensor in tensors}
+
+
+def _host_tensor(tensor: Any, live: Optional[Set[int]]) -> Any:
+    if tensor.device.type != "cpu" or live is None or tensor.untyped_storage().data_ptr() in live:
+        return tensor.detach().to("cpu", copy=True)
+    return tensor
+
+
+def _sharded_host_copy(tensor: Any, live: Optional[Set[int]]) -> Any:
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = tensor.local_shards()
+    if any(shard.tensor.device.type != "cpu" for shard in shards):
+        return tensor.cpu()  # a copy, its shards' placements moved to the CPU with them
+    copies = [Shard(_host_tensor(shard.tensor, live), shard.metadata) for shard in shards]
+    if all(copy.tensor is shard.tensor for copy, shard in zip(copies, shards)):
+        return tensor
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        copies, tensor.metadata(), process_group=tensor._process_group
+    )
 
 
 def load_distributed(state: Dict[str, Any], path: Any) -> None:

@@ -1,0 +1,137 @@
+"""Saves that finish in the background: each rank copies its part of a checkpoint into host memory and goes back
+to training while a thread writes it. The checkpoint is published, and what waits on it (the removal of the one it
+replaces) runs, only once every rank has written its part; what is saved is the state at the call.
+
+The ranks' threads agree over a gloo group of their own, while training's collectives go on on the default one:
+every rank learns the same outcome, which the next save, any load, teardown or ``wait_for_saves`` raise.
+Nothing here knows about patching or about the Trainer or Fabric.
+"""
+import threading
+from typing import Any, Callable, List, Optional
+
+from . import _remote
+from . import _torch_compat as compat
+
+_PENDING = "_lightning_fsdp_resume_pending_save"  # on the strategy: this rank's save in the background
+_GROUP = "_lightning_fsdp_resume_save_group"  # on the strategy: the background threads' process group
+
+
+class BackgroundSaveError(RuntimeError):
+    """A save that ran in the background failed on some rank; nothing of it was published."""
+
+
+class _Pending:
+    """One save in the background on this rank; ``failure`` (its first cause) is every rank's same verdict."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.finished = False
+        self.failure: Optional[str] = None
+        self.error: Optional[BaseException] = None  # this rank's own, chained to what it raises
+        self.after: List[Callable[[], None]] = []
+        self.thread: Optional[threading.Thread] = None
+
+
+def start(strategy: Any, path: Any, write: Callable[[], Any], publish: Callable[[], None]) -> None:
+    """``write`` this rank's part in a thread; once every rank's succeeded, rank 0 ``publish``es it. The thread is
+    not a daemon: a process that ends while it writes waits for it."""
+    group = process_group(strategy)
+    rank = strategy.global_rank
+    pending = _Pending(path)
+
+    def run() -> None:
+        error = _attempt(write)
+        failure = next((failure for failure in _gather(_cause(error, rank), group) if failure is not None), None)
+        if failure is None:
+            if rank == 0:
+                error = _attempt(publish)
+            failure = _from_rank_zero(_cause(error, rank), group)
+        with pending.lock:
+            pending.failure, pending.error, pending.finished = failure, error, True
+            after = pending.after if failure is None else []
+        for action in after:
+            action()
+
+    vars(strategy)[_PENDING] = pending
+    pending.thread = threading.Thread(target=run, name=f"lightning_fsdp_resume: saving {path}")
+    pending.thread.start()
+
+
+def wait(strategy: Any) -> None:
+    """Wait for this rank's save in the background, if any, and raise its failure (every rank raises it)."""
+    pending = vars(strategy).pop(_PENDING, None)
+    if pending is None:
+        return
+    assert pending.thread is not None
+    pending.thread.join()
+    if pending.failure is not None:
+        raise BackgroundSaveError(
+            f"The checkpoint {str(pending.path)!r}, saved in the background, could not be written: {pending.failure}."
+            " Nothing of this save was published: the path holds what it held before, and the checkpoint it"
+            " was to replace was kept. Fix the cause, then save again."
+        ) from pending.error
+
+
+def after_publish(strategy: Any, action: Callable[[], None]) -> None:
+    """Run ``action`` once the save in the background is published (now, if none is pending); never if it fails."""
+    pending = vars(strategy).get(_PENDING)
+    if pending is not None:
+        with pending.lock:
+            if not pending.finished:
+                pending.after.append(action)
+                return
+            if pending.failure is not None:
+                return  # its failure is raised at the next wait
+    action()
+
+
+def process_group(strategy: Any) -> Any:
+    """The background threads' gloo group (None without a process group), created by the first save that needs
+    it: a collective, which every rank reaches at the same save."""
+    if not compat.distributed():
+        return None
+    group = vars(strategy).get(_GROUP)
+    if group is None:
+        import torch.distributed as dist
+
+        group = vars(strategy)[_GROUP] = dist.new_group(backend="gloo")
+    return group
+
+
+def _cause(error: Optional[BaseException], rank: int) -> Optional[str]:
+    """What every rank says of ``error`` (raised on ``rank``); torch's own errors name the rank that failed."""
+    if error is None:
+        return None
+    cause = _remote.describe_failure(error)
+    return cause if "(on rank " in cause else f"{cause} (on rank {rank})"
+
+
+def _attempt(action: Callable[[], Any]) -> Optional[BaseException]:
+    try:
+        action()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        return error
+    return None
+
+
+def _gather(obj: Any, group: Any) -> list:
+    if group is None:
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def _from_rank_zero(obj: Any, group: Any) -> Any:
+    if group is None:
+        return obj
+    import torch.distributed as dist
+
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]
