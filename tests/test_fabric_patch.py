@@ -39,6 +39,9 @@ def test_signatures_list_the_new_arguments(package):
     parameter = inspect.signature(strategy).parameters["state_dict_type"]
     assert (parameter.default, parameter.kind) == ("sharded", inspect.Parameter.KEYWORD_ONLY)
     assert strategy()._state_dict_type == "sharded" and strategy(state_dict_type="full")._state_dict_type == "full"
+    parameter = inspect.signature(strategy).parameters["async_save"]
+    assert (parameter.default, parameter.kind) == (False, inspect.Parameter.KEYWORD_ONLY)
+    assert strategy()._async_save is False and strategy(async_save=True)._async_save is True
 
 
 def test_filter_is_checked_as_native_checks_it(fabric, tmp_path):

@@ -31,7 +31,7 @@ if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/f
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import models, states  # noqa: E402
-from support.faults import cut_network, kill_during_saves  # noqa: E402
+from support.faults import cut_network, kill_during_saves, trace_saves  # noqa: E402
 from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
 from support.s3 import configure, directory  # noqa: E402
 
@@ -96,8 +96,9 @@ class Run:
         self.args = args
         devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         # use_orig_params=False: 2.0.x's default and only kind; 2.1+ defaults to True
+        background = {"async_save": True} if args.async_save else {}
         strategy = FSDPStrategy(state_dict_type=args.state_dict_type, use_orig_params=False,
-                                auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+                                auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), **background)
         self.fabric = Fabric(accelerator="cpu", devices=devices, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // devices,
                              strategy=strategy)
         # Needed under torchrun too: it joins the process group, and Fabric 2.1+ refuses setup_module without it.
@@ -205,6 +206,7 @@ def train(run: Run, args) -> None:
         run.record(f"epoch{run.epoch}")
         run.fabric.save(args.ckpt_dir / f"epoch={run.epoch}.ckpt", run.state(), filter=run.save_filter())
     run.record("final")
+    lightning_fsdp_resume.wait_for_saves(run.fabric)  # a no-op unless --async-save
 
 
 def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
@@ -277,6 +279,9 @@ def main() -> None:
                         help="save and load a plain module, a list, a nested dict, a tuple and a tensor besides")
     parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see faults.kill_during_saves")
     parser.add_argument("--errors", type=Path, default=None, help="make the refused calls, with this checkpoint")
+    parser.add_argument("--async-save", action="store_true", help="FSDPStrategy(async_save=True)")
+    parser.add_argument("--trace-saves", type=float, default=None,
+                        help="SECONDS: log each save's steps to OUT/saves_rank{rank}.txt, each write delayed by SECONDS")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)  # native full saves do not make it (sharded ones do)
@@ -287,6 +292,9 @@ def main() -> None:
     if args.kill:
         point, rank, save = args.kill.split(":")
         kill_during_saves(run.fabric.strategy, point, int(rank), int(save))
+    if args.trace_saves is not None:
+        trace_saves(run.fabric.strategy, args.out / f"saves_rank{run.fabric.global_rank}.txt", args.trace_saves,
+                    removals=False)
     if args.cut:
         point, rank, save, port = args.cut.split(":")
         kill_during_saves(run.fabric.strategy, point, int(rank), int(save), fault=cut_network(int(port)))

@@ -12,6 +12,11 @@ def sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fail_write() -> None:
+    """A fault that fails the write where it is, as a full disk would."""
+    raise OSError(28, "No space left on device (injected by the test)")
+
+
 def cut_network(control_port: int):
     """A fault that cuts the network to the S3 server (support/s3.py's relay) and returns once it is cut."""
 
@@ -95,3 +100,46 @@ def kill_during_saves(strategy, point: str, rank: int, save: int, fault=sigkill)
         return original_save_file(checkpoint, path)
 
     strategy.checkpoint_io.save_checkpoint = half_then_die
+
+
+def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
+    """Append each step of this rank's saves to ``log``, in the order they happen, and start every write ``delay``
+    seconds late (so that training goes on while a save in the background writes): ``save-called NAME`` and
+    ``save-returned NAME`` (the strategy's ``save_checkpoint``), ``write`` (a rank's shards or rank 0's full file),
+    ``publish NAME`` (the checkpoint is in place) and ``remove NAME`` (one that ModelCheckpoint no longer keeps)."""
+    import time
+    from pathlib import Path
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from lightning_fsdp_resume import _atomic
+
+    def note(line: str) -> None:
+        with open(log, "a") as handle:
+            handle.write(line + "\n")
+
+    def traced(owner, name, before=None, after=None, slow=False):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if before:
+                note(before(*args, **kwargs))
+            if slow:
+                time.sleep(delay)
+            result = original(*args, **kwargs)
+            if after:
+                note(after(*args, **kwargs))
+            return result
+
+        setattr(owner, name, wrapped)
+
+    def target(*args, **kwargs) -> str:  # the Trainer's strategy is called (checkpoint, filepath), Fabric's (path=, state=)
+        return Path(kwargs["path"] if "path" in kwargs else args[1]).name
+
+    traced(strategy, "save_checkpoint", before=lambda *a, **k: f"save-called {target(*a, **k)}",
+           after=lambda *a, **k: f"save-returned {target(*a, **k)}")
+    traced(fs.FileSystemWriter, "write_data", before=lambda *_: "write", slow=True)
+    traced(_atomic, "write_file", before=lambda *_: "write", slow=True)
+    traced(_atomic, "publish", after=lambda partial, path: f"publish {Path(path).name}")
+    if removals:  # the Trainer's ModelCheckpoint removes through it; Fabric's FSDPStrategy has none (it raises)
+        traced(strategy.checkpoint_io, "remove_checkpoint", before=lambda path: f"remove {Path(path).name}")

@@ -20,7 +20,7 @@ if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/t
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import models, states  # noqa: E402
-from support.faults import cut_network, kill_during_saves  # noqa: E402
+from support.faults import cut_network, fail_write, kill_during_saves, trace_saves  # noqa: E402
 from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
 from support.s3 import configure, directory  # noqa: E402
 
@@ -314,7 +314,9 @@ def make_trainer(args, max_epochs: int):
         checkpoint = ModelCheckpoint(
             dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=args.top_k, monitor="step", mode="max", save_last=True
         )
+    plugins = [TRAINER_UNDER_TEST.module("plugins.io").AsyncCheckpointIO()] if args.async_save else []
     return L.Trainer(
+        plugins=plugins,
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
@@ -405,6 +407,11 @@ def main() -> None:
     parser.add_argument("--best-first", action="store_true", help="keep every epoch, the best is the first (monitor step, min)")
     parser.add_argument("--stock", action="store_true", help="Lightning's own FSDPStrategy arguments (no state_dict_type)")
     parser.add_argument("--then", nargs="*", default=[], help="steps after the first call in the same processes, see run_steps")
+    parser.add_argument("--async-save", action="store_true", help="Trainer(plugins=[AsyncCheckpointIO()])")
+    parser.add_argument("--fail", default=None,
+                        help="POINT:RANK:SAVE, fail the write there (see kill_during_saves); fit's error goes to OUT/error_rank{rank}.txt")
+    parser.add_argument("--trace-saves", type=float, default=None,
+                        help="SECONDS: log each save's steps to OUT/saves_rank{rank}.txt, each write delayed by SECONDS")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     configure(args.fsspec_conf)
@@ -418,6 +425,11 @@ def main() -> None:
     if args.kill:
         point, rank, save = args.kill.split(":")
         kill_during_saves(trainer.strategy, point, int(rank), int(save))
+    if args.fail:
+        point, rank, save = args.fail.split(":")
+        kill_during_saves(trainer.strategy, point, int(rank), int(save), fault=fail_write)
+    if args.trace_saves is not None:
+        trace_saves(trainer.strategy, args.out / f"saves_rank{os.environ.get('RANK', '0')}.txt", args.trace_saves)
     if args.cut:
         point, rank, save, port = args.cut.split(":")
         kill_during_saves(trainer.strategy, point, int(rank), int(save), fault=cut_network(int(port)))
@@ -430,8 +442,18 @@ def main() -> None:
     ckpt_path = args.ckpt_path
     if args.other_ranks_ckpt_path is not None and int(os.environ.get("RANK", "0")) > 0:
         ckpt_path = args.other_ranks_ckpt_path
-    if args.fn == "fit":
+    if args.fn == "fit" and args.fail:
+        try:  # every rank records what it raised: the first to fail would end the others before they print it
+            trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path)
+        except Exception:
+            import traceback
+
+            (args.out / f"error_rank{os.environ.get('RANK', '0')}.txt").write_text(traceback.format_exc())
+    elif args.fn == "fit":
         trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path)
+        if args.trace_saves is not None:
+            with open(args.out / f"saves_rank{os.environ.get('RANK', '0')}.txt", "a") as log:
+                log.write("fit-returned\n")
     else:
         getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=ckpt_path)
     if args.then:

@@ -1,0 +1,133 @@
+"""Saves in the background with real ranks: ``Trainer(plugins=[AsyncCheckpointIO()])`` and Fabric's
+``FSDPStrategy(async_save=True)``, two ranks.
+
+The workers log each step of their saves (``support.faults.trace_saves``) and start every write late, so that
+training goes on while a save writes: a checkpoint that held a later step's state, a removal before its
+replacement is in place, or a save that did not wait for the one before it shows in the checkpoints and the log.
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_fsdp_resume import _torch_compat as compat
+from support.crash_chain import run_chain
+from support.flavours import NATIVE, VERSION
+from support.marks import needs_cpu_fsdp, needs_patched_fabric
+from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, config, fabric_config, fabric_worker, worker
+from support.states import assert_ranks_identical
+from support.stores import LocalStore
+
+pytestmark = [
+    pytest.mark.multirank,
+    needs_cpu_fsdp,
+    pytest.mark.skipif(NATIVE, reason=f"native Lightning {VERSION} saves FSDP checkpoints in the foreground"),
+]
+needs_async_save = pytest.mark.skipif(not compat.saves_in_background(), reason="torch < 2.3 has no dcp.async_save")
+DELAY = "0.5"  # seconds each write starts late
+
+
+def _saves(run: Path, rank: int = 0):
+    return (run / "out" / f"saves_rank{rank}.txt").read_text().splitlines()
+
+
+def _async_run(run: Path, kind: str, *args) -> None:
+    worker(run, *config(run, kind, FULL_USE_ORIG_PARAMS if kind == "full" else 0), "--max-epochs", EPOCHS,
+           "--async-save", "--trace-saves", DELAY, *args)
+
+
+@needs_async_save
+@pytest.mark.parametrize("kind", [pytest.param("sharded", marks=pytest.mark.smoke), "full"])
+def test_background_saves_hold_the_state_at_the_call_and_resume_exactly(tmp_path, kind):
+    # BatchNorm's running statistics: buffers that a sharded state dict hands over as they are, not copied
+    run, resumed = tmp_path / "async", tmp_path / "resumed"
+    _async_run(run, kind, "--net", "buffered")
+    # epoch=0.ckpt was written while epoch 1 trained: it must hold epoch 0's end, which the run recorded there
+    worker(resumed, *config(resumed, kind, FULL_USE_ORIG_PARAMS if kind == "full" else 0), "--net", "buffered",
+           "--max-epochs", EPOCHS, "--ckpt-path", run / "ckpt" / "epoch=0.ckpt")
+    assert_ranks_identical(run / "out", "epoch0", resumed / "out", "start")
+    assert_ranks_identical(run / "out", "final", resumed / "out", "final")
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == [f"epoch={epoch}.ckpt" for epoch in range(EPOCHS)]
+
+
+@needs_async_save
+def test_each_save_returns_before_it_is_written_and_the_next_one_waits_for_it(tmp_path):
+    _async_run(tmp_path, "sharded")
+    for rank in (0, 1):
+        saves = _saves(tmp_path, rank)
+        # returned before its write started, which started before the next save was called
+        for epoch in range(EPOCHS):
+            name = f"epoch={epoch}.ckpt"
+            assert saves.index(f"save-returned {name}") < saves.index("write", saves.index(f"save-called {name}")), saves
+    saves = _saves(tmp_path, 0)
+    # the next save waits: writes and publishes alternate, every write's checkpoint is in place before the next starts
+    steps = [line for line in saves if line == "write" or line.startswith("publish")]
+    assert steps == [step for epoch in range(EPOCHS) for step in ("write", f"publish epoch={epoch}.ckpt")], saves
+    # fit returns once the last one is in place
+    assert saves[-2:] == [f"publish epoch={EPOCHS - 1}.ckpt", "fit-returned"], saves
+
+
+@needs_async_save
+def test_model_checkpoint_removes_a_checkpoint_only_once_its_replacement_is_in_place(reference, tmp_path):
+    _async_run(tmp_path, "sharded", "--top-k", "1")
+    saves = _saves(tmp_path, 0)
+    removed = [line for line in saves if line.startswith("remove")]
+    assert removed == [f"remove epoch={epoch}.ckpt" for epoch in range(EPOCHS - 1)], saves
+    for epoch in range(EPOCHS - 1):
+        # ModelCheckpoint asked for the removal right after the next save returned, before it was written
+        assert saves.index(f"publish epoch={epoch + 1}.ckpt") < saves.index(f"remove epoch={epoch}.ckpt"), saves
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"epoch={EPOCHS - 1}.ckpt", "last.ckpt"]
+    resumed = tmp_path / "resumed"
+    worker(resumed, *config(resumed, "sharded", 0), "--max-epochs", EPOCHS + 1, "--ckpt-path", tmp_path / "ckpt" / "last.ckpt")
+    assert_ranks_identical(reference("sharded", 0) / "out", f"epoch{EPOCHS - 1}", resumed / "out", "start")
+
+
+@needs_async_save
+@pytest.mark.parametrize("save, where", [(2, "write_sharded"), (3, "teardown")])  # raised at the next save, or at the end
+def test_a_failed_background_write_is_raised_on_every_rank_and_publishes_nothing(tmp_path, save, where):
+    worker(tmp_path, *config(tmp_path, "sharded", 0), "--max-epochs", EPOCHS, "--async-save", "--fail", f"mid-shards:1:{save}")
+    message = (rf"BackgroundSaveError: The checkpoint '[^']*epoch={save - 1}\.ckpt', saved in the background, could not be"
+               r" written: .*No space left on device \(injected by the test\) \(on rank 1\)\. Nothing of this save was published")
+    for rank in (0, 1):
+        error = (tmp_path / "out" / f"error_rank{rank}.txt").read_text()
+        assert re.search(message, error), error
+        assert re.search(rf"in {where}\n.*_background\.wait\(", error), error
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("epoch=*")) == [f"epoch={e}.ckpt" for e in range(save - 1)]
+
+
+@needs_async_save
+def test_killed_background_writes_leave_the_previous_checkpoint_loadable(reference, tmp_path):
+    trials = [("mid-shards", 1), ("mid-shards", 0), ("before-publish", 0), ("after-publish", 0)]
+    store = LocalStore(tmp_path / "ckpt")
+    assert run_chain(reference, tmp_path, store, "sharded", 0, trials, first_save_killed=True, extra=["--async-save"]) == 4
+
+
+@pytest.mark.skipif(compat.saves_in_background(), reason="this torch saves in the background")
+def test_without_async_save_saves_are_written_in_the_foreground_and_said_so(reference, tmp_path):
+    output = worker(tmp_path, *config(tmp_path, "sharded", 0), "--max-epochs", EPOCHS, "--async-save",
+                    "--trace-saves", "0")
+    assert "FSDP checkpoints are saved in the foreground: saving them in the background needs torch >= 2.3" in output
+    saves = _saves(tmp_path, 0)
+    for epoch in range(EPOCHS):
+        name = f"epoch={epoch}.ckpt"
+        assert saves.index(f"publish {name}") < saves.index(f"save-returned {name}"), saves
+    assert_ranks_identical(reference("sharded", 0) / "out", "final", tmp_path / "out", "final")
+
+
+@needs_async_save
+@needs_patched_fabric
+def test_fabric_saves_in_the_background_with_async_save_and_resumes_exactly(tmp_path):
+    run, resumed = tmp_path / "async", tmp_path / "resumed"
+    # each rank's buffers differ (batch normalisation): RankStates saves them, as Fabric users do
+    fabric_worker(run, *fabric_config(run, "sharded"), "--epochs", EPOCHS, "--net", "buffered", "--rank-states",
+                  "--async-save", "--trace-saves", DELAY)
+    saves = _saves(run)
+    for epoch in range(EPOCHS):
+        name = f"epoch={epoch}.ckpt"
+        assert saves.index(f"save-returned {name}") < saves.index(f"publish {name}"), saves
+    # the last save was in place before the script ended: wait_for_saves
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == [f"epoch={epoch}.ckpt" for epoch in range(EPOCHS)]
+    fabric_worker(resumed, *fabric_config(resumed, "sharded"), "--epochs", EPOCHS, "--net", "buffered", "--rank-states",
+                  "--resume", run / "ckpt" / "epoch=1.ckpt")
+    assert_ranks_identical(run / "out", "epoch1", resumed / "out", "start")
+    assert_ranks_identical(run / "out", "final", resumed / "out", "final")
