@@ -3,7 +3,8 @@
 ``--phase save`` trains one step (so Adam has state) and times ``trainer.save_checkpoint``;
 ``--phase resume`` starts fresh processes, ``trainer.fit(ckpt_path=...)`` and times
 ``FSDPStrategy.load_checkpoint``, which restores model and optimizers on the shim and on native
-Lightning >= 2.1 alike. Each rank measures its peak resident memory during the phase and writes one
+Lightning >= 2.1 alike. ``--async-save`` saves with ``AsyncCheckpointIO``: the phase lasts until the checkpoint is
+in place, and ``stall`` is how long the save call blocked training. Each rank measures its peak resident memory during the phase and writes one
 JSON record into ``--out``. The same program runs on native Lightning: the shim then does nothing.
 """
 import argparse
@@ -78,13 +79,31 @@ class Measured:
 
 
 class SaveAfterFirstStep(L.Callback):
+    """Saves once, measured until the checkpoint is in place; ``stall``: how long the save call itself blocked
+    training (with AsyncCheckpointIO it returns before the checkpoint is written)."""
+
     def __init__(self, path: str, measured: Measured) -> None:
         self.path = path
         self.measured = measured
+        self.stall = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         trainer.strategy.barrier()  # both ranks start the clock together
-        self.measured.run(trainer.save_checkpoint, self.path)
+        self.measured.run(self.save_and_wait, trainer)
+
+    def save_and_wait(self, trainer) -> None:
+        start = time.perf_counter()
+        trainer.save_checkpoint(self.path)
+        self.stall = time.perf_counter() - start
+        shim.wait_for_saves(trainer)  # nothing to wait for unless the save runs in the background
+
+
+def shard_bytes(model: nn.Module, optimizers) -> int:
+    """This rank's own part of the state: its parameter shards and its optimizers' states of them."""
+    tensors = list(model.parameters())
+    tensors += [value for optimizer in optimizers for state in optimizer.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor) and value.dim() > 0]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 def timed_load(strategy, measured: Measured) -> None:
@@ -117,6 +136,7 @@ def main(argv=None) -> None:
     # Fewer outputs than ranks leave the head's sharded state empty on some rank: the smoke test uses 1, as
     # the shim's sharded resume once failed there ("Missing key in checkpoint state_dict: ...param_groups").
     parser.add_argument("--outputs", type=int, default=8)
+    parser.add_argument("--async-save", action="store_true", help="save with Trainer(plugins=[AsyncCheckpointIO()])")
     args = parser.parse_args(argv)
 
     enable_cpu_fsdp()
@@ -136,7 +156,9 @@ def main(argv=None) -> None:
         callbacks.append(SaveAfterFirstStep(args.checkpoint, measured))
     else:
         timed_load(strategy, measured)
+    plugins = [L.plugins.AsyncCheckpointIO()] if args.async_save else []
     trainer = L.Trainer(
+        plugins=plugins,
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),
         strategy=strategy,
@@ -156,6 +178,8 @@ def main(argv=None) -> None:
         "phase": args.phase,
         "state_dict_type": args.state_dict_type,
         "seconds": measured.seconds,
+        "stall": callbacks[0].stall if args.phase == "save" else None,
+        "shard_bytes": shard_bytes(trainer.model, trainer.strategy.optimizers),
         "rss_start": measured.memory.start,
         "rss_peak": measured.memory.peak,
         "growth": measured.memory.growth,

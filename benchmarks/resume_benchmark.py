@@ -4,12 +4,18 @@ Run it with the Python of an environment holding Lightning 2.0.x (the shim side)
 environment with native Lightning 2.1.x and the same torch (``--native-python`` or the environment
 variable below) to measure both sides, interleaved, and print shim/native ratios. Each repeat launches,
 per side and checkpoint kind, one torchrun job that trains a step and saves, and one that resumes in
-new processes (``checkpoint_ranks.py``). Then it times ``import lightning_fsdp_resume``.
+new processes (``checkpoint_ranks.py``), and the shim's sharded save with ``AsyncCheckpointIO`` (how long it
+blocks training, how long until it is written, and each rank's memory against its shard). Then it times
+``import lightning_fsdp_resume``.
 
     python benchmarks/resume_benchmark.py --native-python /path/to/native-env/bin/python
 
 ``--consolidate`` also measures ``consolidate``'s peak memory for each output format on a sharded
 checkpoint the shim saves; ``--consolidate-from DIR`` measures only that, on the sharded checkpoint DIR.
+``--scaling 8,32,80`` instead measures the sharded save, its stall in the background, the resume and
+``consolidate`` at each of those ``--layers`` counts (0.4, 1.6 and 4.0 GB of state at the default width), with
+native's and the disk's raw I/O, the targets at each size, a fitted line and what it predicts for a 7B model;
+``--plot PNG`` draws it (matplotlib: the ``[plot]`` extra).
 ``--remote`` also saves and resumes each kind to an S3-compatible server it starts on 127.0.0.1 (moto's, as
 the tests do; needs the [s3] extra and moto), against the same on the local disk and against copying the
 same bytes to and from the server with s3fs.
@@ -38,6 +44,7 @@ NATIVE_PYTHON_ENV = "LIGHTNING_FSDP_RESUME_NATIVE_PYTHON"
 RANKS = 2
 PHASES = ("save", "resume")
 KINDS = ("sharded", "full")
+ASYNC = "async save"  # the shim's sharded save with AsyncCheckpointIO, measured until the checkpoint is in place
 MB = 1e6
 
 # The targets, as data: each is checked against the figures and printed with them.
@@ -47,6 +54,10 @@ IMPORT_LIMIT_S = 0.005
 # a sharded save or resume within this multiple of the disk's own time for the same bytes, from this much state
 RAW_TIME_RATIO_LIMIT = 2.0
 RAW_TARGET_MIN_STATE = 1.5e9
+# the time a save in the background blocks training, as a share of the synchronous save's
+ASYNC_STALL_RATIO_LIMIT = 0.2
+# each rank's peak growth during a sharded save: its shard + the allowance (synchronous), 2 × its shard (background)
+ASYNC_GROWTH_SHARDS = 2.0
 
 
 def _env() -> Dict[str, str]:
@@ -60,12 +71,13 @@ def _env() -> Dict[str, str]:
 
 
 def launch(python: str, phase: str, kind: str, checkpoint: Any, out: Path, args: argparse.Namespace,
-           env: Optional[Dict[str, str]] = None) -> List[Dict]:
+           env: Optional[Dict[str, str]] = None, extra: Sequence[str] = ()) -> List[Dict]:
     """One torchrun job of the rank program; every rank's record, by rank. ``checkpoint``: a path or a URL."""
     command = [
         python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", str(RANK_PROGRAM),
         "--phase", phase, "--state-dict-type", kind, "--checkpoint", str(checkpoint), "--out", str(out),
         "--width", str(args.width), "--layers", str(args.layers), "--outputs", str(args.outputs), "--use-orig-params", str(args.use_orig_params),
+        *extra,
     ]
     result = subprocess.run(command, capture_output=True, text=True, env={**_env(), **(env or {})}, check=False)
     if result.returncode != 0:
@@ -75,12 +87,14 @@ def launch(python: str, phase: str, kind: str, checkpoint: Any, out: Path, args:
     return [json.loads((out / f"{phase}_rank{rank}.json").read_text()) for rank in range(RANKS)]
 
 
-def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path, raw: Dict[str, List[Dict]]) -> Dict[Tuple[str, str, str], List]:
-    """``{(phase, kind, side): [per-repeat list of rank records]}``, the sides interleaved run by run. Into ``raw``,
-    per kind, the raw I/O of as many bytes as the shim's checkpoint holds, on the same disk, each repeat."""
+def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path, raw: Dict[str, List[Dict]],
+            kinds: Sequence[str] = KINDS) -> Dict[Tuple[str, str, str], List]:
+    """``{(phase, kind, side): [per-repeat list of rank records]}``, the sides interleaved run by run, and the shim's
+    sharded save with AsyncCheckpointIO (phase ``ASYNC``). Into ``raw``, per kind, the raw I/O of as many bytes as the
+    shim's checkpoint holds, on the same disk, each repeat."""
     results: Dict[Tuple[str, str, str], List] = {}
     for repeat in range(args.repeats):
-        for kind in KINDS:
+        for kind in kinds:
             for side, python in sides:
                 run_dir = workdir / f"{side}-{kind}-{repeat}"
                 checkpoint = run_dir / ("checkpoint" if kind == "sharded" else "checkpoint.ckpt")
@@ -88,6 +102,10 @@ def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir:
                     print(f"repeat {repeat + 1}/{args.repeats}: {side:<6} {kind:<7} {phase}", file=sys.stderr, flush=True)
                     records = launch(python, phase, kind, checkpoint, run_dir, args)
                     results.setdefault((phase, kind, side), []).append(records)
+                if side == "shim" and kind == "sharded":
+                    print(f"repeat {repeat + 1}/{args.repeats}: shim   {kind:<7} {ASYNC}", file=sys.stderr, flush=True)
+                    records = launch(python, "save", kind, run_dir / "async-checkpoint", run_dir, args, extra=["--async-save"])
+                    results.setdefault((ASYNC, kind, side), []).append(records)
                 if side == "shim":
                     print(f"repeat {repeat + 1}/{args.repeats}: raw I/O of the {kind} checkpoint's bytes", file=sys.stderr, flush=True)
                     raw.setdefault(kind, []).append(raw_io(run_dir, _bytes_of(checkpoint)))
@@ -135,6 +153,9 @@ class Figures:
         self.growth_spread = [
             (min(r[rank]["growth"] for r in repeats), max(r[rank]["growth"] for r in repeats)) for rank in range(RANKS)
         ]
+        stalls = [max(record["stall"] for record in records) for records in repeats if records[0].get("stall") is not None]
+        self.stall = statistics.median(stalls) if stalls else None
+        self.shard = [statistics.median(records[rank].get("shard_bytes", 0) for records in repeats) for rank in range(RANKS)]
         first = repeats[0][0]
         self.lightning = first["lightning"]
         self.mode = first["shim"]
@@ -179,15 +200,16 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
         "",
     ]
     rows = []
-    for phase in PHASES:
-        for kind in KINDS:
-            for side in sides:
-                f = figures[(phase, kind, side)]
-                growth = [f"{_mb(g)} ({_mb(lo)}–{_mb(hi)})" for g, (lo, hi) in zip(f.growth, f.growth_spread)]
-                rows.append([phase, kind, side, f"{f.lightning} {f.mode}", f"{f.time:.3f}",
-                             f"{min(f.times):.3f}–{max(f.times):.3f}", *growth])
+    for phase, kind, side in [(phase, kind, side) for phase in PHASES for kind in KINDS for side in sides] + [(ASYNC, "sharded", "shim")]:
+        f = figures[(phase, kind, side)]
+        growth = [f"{_mb(g)} ({_mb(lo)}–{_mb(hi)})" for g, (lo, hi) in zip(f.growth, f.growth_spread)]
+        stall = f"; stall {f.stall:.3f}" if phase == ASYNC and f.stall is not None else ""
+        rows.append([phase, kind, side, f"{f.lightning} {f.mode}", f"{f.time:.3f}{stall}",
+                     f"{min(f.times):.3f}–{max(f.times):.3f}", *growth])
     lines.append(table(["phase", "kind", "side", "Lightning", "time s", "time range s",
                         *(f"rank {r} peak growth MB (range)" for r in range(RANKS))], rows))
+    lines += ["", f"{ASYNC}: the shim's sharded save with AsyncCheckpointIO, timed until the checkpoint is in place;"
+              " its stall is how long the save call blocked the training loop."]
 
     ratios = {}
     if "native" in sides:
@@ -243,6 +265,7 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
         targets.append((f"sharded {phase} time / raw I/O of the same bytes, at ≥ {_mb(RAW_TARGET_MIN_STATE)} MB of state",
                         figure, f"≤ {RAW_TIME_RATIO_LIMIT:g}",
                         None if ratio is None or not large else ratio <= RAW_TIME_RATIO_LIMIT))
+    targets += background_targets(figures, args)
     added_ms = imports["added"] * 1e3
     targets.append((f"import lightning_fsdp_resume after import wrapt (median of {imports['repeats']})",
                     f"+{added_ms:.2f} ms ({imports['wrapt'] * 1e3:.2f} → {imports['wrapt_and_shim'] * 1e3:.2f} ms)",
@@ -252,6 +275,149 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
                     ", ".join(heavy) if heavy else "none imported", "none", not heavy))
     lines += ["", table(["target", "figure", "limit", "met"], [[*t[:3], _verdict(t[3])] for t in targets])]
     return "\n".join(lines)
+
+
+def background_targets(figures: Dict[Tuple[str, str, str], Figures], args: argparse.Namespace) -> List[Tuple]:
+    """The targets of saves in the background and of a sharded save's memory, against each rank's own shard."""
+    save, background = figures[("save", "sharded", "shim")], figures[(ASYNC, "sharded", "shim")]
+    stall = _ratio(background.stall or 0.0, save.time)
+    allowance = args.allowance_mb * MB
+    sync_over = [g - (s + allowance) for g, s in zip(save.growth, save.shard)]
+    async_over = [g - ASYNC_GROWTH_SHARDS * s for g, s in zip(background.growth, background.shard)]
+    per_rank = " / ".join(f"{_mb(g)} of {_mb(s)}" for g, s in zip(save.growth, save.shard))
+    per_rank_async = " / ".join(f"{_mb(g)} of {_mb(s)}" for g, s in zip(background.growth, background.shard))
+    return [
+        (f"{ASYNC}: training blocked / synchronous sharded save time", f"{_show(stall)} ({background.stall or 0:.3f} s"
+         f" of {save.time:.3f} s; written in {background.time:.3f} s)", f"≤ {ASYNC_STALL_RATIO_LIMIT:g}",
+         None if stall is None else stall <= ASYNC_STALL_RATIO_LIMIT),
+        (f"sharded save: each rank's peak growth ≤ its shard + {args.allowance_mb:g} MB", f"{per_rank} MB (rank 0 / 1)",
+         "shard + allowance", max(sync_over) <= 0),
+        (f"{ASYNC}: each rank's peak growth ≤ {ASYNC_GROWTH_SHARDS:g} × its shard", f"{per_rank_async} MB (rank 0 / 1)",
+         f"{ASYNC_GROWTH_SHARDS:g} × shard", max(async_over) <= 0),
+    ]
+
+
+# --- scaling: how the costs grow with the state --------------------------------------------------------
+
+# 7B parameters with Adam in fp32: the parameters and two moments, 4 bytes each
+PREDICTED_PARAMETERS = 7e9
+PREDICTED_RANKS = 8
+
+
+def measure_scaling(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path) -> List[Dict[str, Any]]:
+    """One row per ``--scaling`` size: the sharded save, stall, resume and consolidate times, each rank's worst peak
+    growth, native's save and resume where given, and the disk's raw I/O of the same bytes (one repeat each)."""
+    rows = []
+    for layers in args.scaling:
+        sized = argparse.Namespace(**{**vars(args), "layers": layers, "repeats": 1})
+        raw: Dict[str, List[Dict]] = {}
+        figures = {key: Figures(value) for key, value in run_all(sides, sized, workdir, raw, kinds=("sharded",)).items()}
+        row: Dict[str, Any] = {"layers": layers, "state": figures[("save", "sharded", "shim")].full_state,
+                               "raw write": raw["sharded"][0]["write"], "raw read": raw["sharded"][0]["read"]}
+        for side in [side for side, _ in sides]:
+            for phase in PHASES:
+                f = figures[(phase, "sharded", side)]
+                row[f"{side} {phase}"], row[f"{side} {phase} memory"] = f.time, f.worst_growth
+        background = figures[(ASYNC, "sharded", "shim")]
+        row["shim stall"], row["shim async memory"] = background.stall, background.worst_growth
+        row["shim consolidate"] = consolidate_seconds(sized, workdir)
+        row["targets"] = background_targets(figures, sized) + _size_targets(row)
+        rows.append(row)
+    return rows
+
+
+def _size_targets(row: Dict[str, Any]) -> List[Tuple]:
+    """At one size: the sharded save and resume against the disk's raw I/O, and against native's time and memory."""
+    targets = []
+    for phase, medium in (("save", "raw write"), ("resume", "raw read")):
+        ratio = _ratio(row[f"shim {phase}"], row[medium])
+        targets.append((f"sharded {phase} / raw I/O", _show(ratio), f"≤ {RAW_TIME_RATIO_LIMIT:g} from {_mb(RAW_TARGET_MIN_STATE)} MB",
+                        None if ratio is None or row["state"] < RAW_TARGET_MIN_STATE else ratio <= RAW_TIME_RATIO_LIMIT))
+        if f"native {phase}" in row:
+            time_ratio = _ratio(row[f"shim {phase}"], row[f"native {phase}"])
+            memory_ratio = _ratio(row[f"shim {phase} memory"], row[f"native {phase} memory"])
+            targets.append((f"sharded {phase} time / native", _show(time_ratio), "≤ 1", None if time_ratio is None else time_ratio <= 1))
+            targets.append((f"sharded {phase} peak growth / native", _show(memory_ratio), "≤ 1",
+                            None if memory_ratio is None else memory_ratio <= 1))
+    return targets
+
+
+def consolidate_seconds(args: argparse.Namespace, workdir: Path) -> float:
+    """``consolidate``'s time to a torch file of the weights, for a sharded checkpoint the shim saves."""
+    run_dir = workdir / "scaling-consolidate"
+    launch(sys.executable, "save", "sharded", run_dir / "checkpoint", run_dir, args)
+    try:
+        records = _consolidate_once(sys.executable, run_dir / "checkpoint", run_dir, {"weights_only": True})
+    finally:
+        shutil.rmtree(run_dir)
+    return records["seconds"]
+
+
+def _fit(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
+    """Least squares ``y = a + b x``."""
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - slope * mean_x, slope
+
+
+SCALING_SERIES = ("shim save", "shim stall", "shim resume", "shim consolidate", "native save", "native resume",
+                  "raw write", "raw read")
+
+
+def scaling_report(rows: List[Dict[str, Any]]) -> str:
+    series = [name for name in SCALING_SERIES if all(row.get(name) is not None for row in rows)]
+    memory = [name for name in ("shim save memory", "shim async memory", "shim resume memory", "native save memory",
+                                "native resume memory") if all(name in row for row in rows)]
+    body = [[f"{row['state'] / 1e9:.2f}", *(f"{row[name]:.2f}" for name in series), *(_mb(row[name]) for name in memory)]
+            for row in rows]
+    lines = [
+        f"How the costs grow: sharded checkpoints on {RANKS} ranks, one run per size; times in s, each rank's worst peak"
+        " growth in MB; stall: how long a save with AsyncCheckpointIO blocked training; consolidate: to a torch file of"
+        " the weights.",
+        "",
+        table(["state GB", *(f"{name} s" for name in series), *(f"{name} MB" for name in memory)], body),
+    ]
+    gigabytes = [row["state"] / 1e9 for row in rows]
+    predicted_state = PREDICTED_PARAMETERS * 4 * 3 / 1e9
+    fits = []
+    for name in series:
+        intercept, slope = _fit(gigabytes, [row[name] for row in rows])
+        fits.append([name, f"{intercept:.2f}", f"{slope:.3f}", f"{intercept + slope * predicted_state:.0f}"])
+    names = [target[0] for target in rows[0]["targets"]]
+    verdicts = [[name, *(f"{row['targets'][index][1]}: {_verdict(row['targets'][index][3])}" for row in rows)]
+                for index, name in enumerate(names)]
+    lines += ["", "The targets at each size (figure: met):", "",
+              table(["target", *(f"{row['state'] / 1e9:.2f} GB" for row in rows)], verdicts)]
+    lines += ["", f"A line fitted to each (time = a + b × state GB), and what it predicts for a {PREDICTED_PARAMETERS / 1e9:g}B-parameter"
+              f" model with Adam (fp32: {predicted_state:.0f} GB of state) at this machine's disk and CPU speed, its"
+              f" {PREDICTED_RANKS} ranks sharing them as these {RANKS} do:", "",
+              table(["series", "a s", "b s/GB", f"predicted s at {predicted_state:.0f} GB"], fits)]
+    return "\n".join(lines)
+
+
+def scaling_plot(rows: List[Dict[str, Any]], path: Path) -> str:
+    """A PNG of the scaling table's times against the state (needs matplotlib: the [plot] extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"No plot: matplotlib is not installed (pip install \"lightning-fsdp-resume[plot]\"); {path} not written."
+    gigabytes = [row["state"] / 1e9 for row in rows]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name in SCALING_SERIES:
+        if all(row.get(name) is not None for row in rows):
+            style = ":" if name.startswith("raw") else ("--" if name.startswith("native") else "-")
+            axes.plot(gigabytes, [row[name] for row in rows], style, marker="o", label=name)
+    axes.set_xlabel("state (parameters + Adam moments), GB")
+    axes.set_ylabel("seconds")
+    axes.set_title(f"Sharded checkpoints on {RANKS} CPU ranks: time against size")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return f"Plot written: {path}"
 
 
 # --- consolidate: peak memory per output format ------------------------------------------------------
@@ -299,20 +465,24 @@ print(json.dumps({"growth": phase.growth, "seconds": seconds, "file": 0 if read_
 
 def measure_consolidate(python: str, src: Path, workdir: Path, repeats: int) -> Dict[str, List[Dict]]:
     """``{output: [record per repeat]}``, each record from one fresh process consolidating ``src``."""
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])  # peak_rss
     records: Dict[str, List[Dict]] = {}
     for repeat in range(repeats):
         for label, options in CONSOLIDATE_OUTPUTS:
             print(f"repeat {repeat + 1}/{repeats}: consolidate to {label}", file=sys.stderr, flush=True)
-            dst = workdir / "consolidated"
-            command = [python, "-c", _CONSOLIDATE_PROBE, str(src), str(dst), json.dumps(options)]
-            result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-            if result.returncode != 0:
-                raise RuntimeError(f"consolidate to {label} with {python} exited {result.returncode}:\n{result.stderr[-8000:]}")
-            records.setdefault(label, []).append(json.loads(result.stdout.strip().splitlines()[-1]))
-            dst.unlink(missing_ok=True)
+            records.setdefault(label, []).append(_consolidate_once(python, src, workdir, options))
     return records
+
+
+def _consolidate_once(python: str, src: Path, workdir: Path, options: Dict[str, Any]) -> Dict:
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])  # peak_rss
+    dst = workdir / "consolidated"
+    command = [python, "-c", _CONSOLIDATE_PROBE, str(src), str(dst), json.dumps(options)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"consolidate ({options}) with {python} exited {result.returncode}:\n{result.stderr[-8000:]}")
+    dst.unlink(missing_ok=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def consolidate_report(records: Dict[str, List[Dict]], source: str) -> str:
@@ -443,6 +613,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="also save and resume to an S3 server started on 127.0.0.1, against the local disk")
     parser.add_argument("--consolidate-from", type=Path, default=None, metavar="DIR",
                         help="measure only consolidate's peak memory per output format, on the sharded checkpoint DIR")
+    parser.add_argument("--scaling", type=lambda text: [int(n) for n in text.split(",")], default=None, metavar="L,L,...",
+                        help="instead: the sharded costs at these --layers counts (one run each), a fitted line and a prediction")
+    parser.add_argument("--plot", type=Path, default=None, help="with --scaling: write a PNG plot here (the [plot] extra)")
     args = parser.parse_args(argv)
 
     sides = [("shim", sys.executable)] + ([("native", args.native_python)] if args.native_python else [])
@@ -452,6 +625,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     remote: Dict[Tuple[str, str], Dict[str, List[float]]] = {}
     raw: Dict[str, List[Dict]] = {}
     try:
+        if args.scaling:
+            rows = measure_scaling(sides, args, workdir)
+            print(scaling_report(rows))
+            if args.plot is not None:
+                print(scaling_plot(rows, args.plot))
+            return 0
         if args.consolidate_from is not None:
             records = measure_consolidate(sys.executable, args.consolidate_from, workdir, args.repeats)
             print(consolidate_report(records, repr(str(args.consolidate_from))))

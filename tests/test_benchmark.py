@@ -42,10 +42,11 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
     figures, raw, targets, *remote = _tables(output)
     assert [(r["phase"], r["kind"], r["side"]) for r in figures] == [
         (phase, kind, "shim") for phase in ("save", "resume") for kind in ("sharded", "full")
-    ]
+    ] + [("async save", "sharded", "shim")]
     for row in figures:
         assert row["Lightning"].endswith(("patched", "native")), row
-        assert float(row["time s"]) > 0
+        assert float(row["time s"].split(";")[0]) > 0
+        assert ("; stall " in row["time s"]) == (row["phase"] == "async save"), row
         for rank in (0, 1):
             assert re.fullmatch(r"-?\d+\.\d \(-?\d+\.\d–-?\d+\.\d\)", row[f"rank {rank} peak growth MB (range)"]), row
     assert [(r["phase"], r["kind"]) for r in raw] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
@@ -60,9 +61,34 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
     assert verdicts["full save"] in ("yes", "**NO**")
     assert verdicts["sharded resume time shim/native"] == "not measured"  # no native side given
     assert verdicts["import lightning_fsdp_resume imports neither torch nor Lightning"] == "yes"
+    background = [row for row in targets if row["target"].startswith(("async save", "sharded save: each rank"))]
+    assert len(background) == 3 and all(row["met"] in ("yes", "**NO**") for row in background), background
     if REMOTE:
         (rows,) = remote
         assert [(r["phase"], r["kind"]) for r in rows] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
         for row in rows:
             assert float(row["S3 s"]) > 0 and float(row["raw S3 copy s"]) > 0 and float(row["S3/disk"]) > 0, row
     assert [p.name for p in tmp_path.iterdir()] == (["s3-server.log"] if REMOTE else []), "the checkpoints of each run are removed after it"
+
+
+@long_runs
+def test_scaling_reports_each_size_a_fitted_line_and_a_plot(tmp_path):
+    plot = tmp_path / "scaling.png"
+    output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS,
+                   "--scaling", "2,4", "--plot", str(plot), "--workdir", str(tmp_path / "work")],
+                  env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""})
+    sizes, targets, fits = _tables(output)
+    assert len(sizes) == 2 and float(sizes[0]["state GB"]) <= float(sizes[1]["state GB"]), sizes
+    series = ["shim save", "shim stall", "shim resume", "shim consolidate", "raw write", "raw read"]
+    for row in sizes:
+        assert all(float(row[f"{name} s"]) >= 0 for name in series), row
+    assert [row["series"] for row in fits] == series
+    for row in targets:  # a smoke-sized state is below the size the raw I/O targets are set for
+        expected = "not measured" if "raw I/O" in row["target"] else "(yes|\\*\\*NO\\*\\*)"
+        assert all(re.fullmatch(rf".*: {expected}", row[column]) for column in row if column != "target"), row
+    predicted = next(column for column in fits[0] if column.startswith("predicted s at "))
+    assert predicted == "predicted s at 84 GB", fits[0]  # 7B parameters, fp32, Adam: 3 × 4 bytes each
+    if importlib.util.find_spec("matplotlib"):
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "No plot: matplotlib is not installed" in output and not plot.exists()
