@@ -15,7 +15,7 @@ from typing import Dict, NamedTuple, Optional, Set, Tuple
 from ._patcher import NotOutermostError, Patcher
 from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, Target, decide, installed_version
 
-__all__ = ["patch", "unpatch", "status", "wait_for_saves", "FlavourStatus", "DISABLE_ENV", "RankStates"]
+__all__ = ["patch", "unpatch", "status", "wait_for_saves", "FlavourStatus", "DISABLE_ENV", "RankStates", "BackgroundSaveError"]
 __version__ = "0.1.0"
 
 DISABLE_ENV = "LIGHTNING_FSDP_RESUME_DISABLE"
@@ -130,7 +130,12 @@ def wait_for_saves(obj) -> None:
 
 
 def __getattr__(name: str):
-    """``RankStates`` (Fabric: each rank's RNG states and buffers in a checkpoint), imported on first use."""
+    """``RankStates`` (Fabric: each rank's RNG states and buffers in a checkpoint) and ``BackgroundSaveError`` (what
+    ``wait_for_saves`` raises), imported on first use."""
+    if name == "BackgroundSaveError":
+        from ._background import BackgroundSaveError
+
+        return BackgroundSaveError
     if name == "RankStates":
         from ._rank_states import RankStates
 
