@@ -42,11 +42,14 @@ def start(strategy: Any, path: Any, write: Callable[[], Any], publish: Callable[
 
     def run() -> None:
         error = _attempt(write)
-        failure = next((failure for failure in _gather(_cause(error, rank), group) if failure is not None), None)
-        if failure is None:
-            if rank == 0:
-                error = _attempt(publish)
-            failure = _from_rank_zero(_cause(error, rank), group)
+        try:
+            failure = next((failure for failure in _gather(_cause(error, rank), group) if failure is not None), None)
+            if failure is None:
+                if rank == 0:
+                    error = _attempt(publish)
+                failure = _from_rank_zero(_cause(error, rank), group)
+        except Exception as lost:  # a rank gone mid-agreement: this one cannot know, so it reports a failure
+            error, failure = lost, _cause(lost, rank)
         with pending.lock:
             pending.failure, pending.error, pending.finished = failure, error, True
             after = pending.after if failure is None else []
