@@ -42,14 +42,17 @@ def memory():
     fs.store.clear()
 
 
-def _trainer(kind: str, dirpath: str, max_epochs: int, **checkpointing):
+def _trainer(kind: str, dirpath: str, max_epochs: int, background: bool = False, **checkpointing):
+    """``background``: with AsyncCheckpointIO, which saves in the background where torch has ``async_save``."""
     from lightning_fsdp_resume.testing import enable_cpu_fsdp
 
     lightning = importlib.import_module(PATCHABLE_TRAINERS[0])
     callbacks = importlib.import_module(f"{PATCHABLE_TRAINERS[0]}.callbacks")
     enable_cpu_fsdp()
     checkpoint = callbacks.ModelCheckpoint(dirpath=dirpath, filename="{epoch}", **checkpointing)
+    plugins = [importlib.import_module(f"{PATCHABLE_TRAINERS[0]}.plugins.io").AsyncCheckpointIO()] if background else []
     return lightning.Trainer(
+        plugins=plugins,
         accelerator="cpu", devices=1, strategy=strategy_class(PATCHABLE_TRAINERS[0])(state_dict_type=kind),
         max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint],
     )
@@ -65,12 +68,13 @@ def _weights(model):
 @needs_cpu_fsdp
 @needs_patched_trainer
 @pytest.mark.parametrize("kind", ["sharded", "full"])
-def test_a_trainer_saves_to_a_url_and_resumes_last_from_it(in_empty_directory, memory, process_group, kind):
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_trainer_saves_to_a_url_and_resumes_last_from_it(in_empty_directory, memory, process_group, kind, background):
     import torch
 
     from support.trainer_worker import Net, data
 
-    trainer = _trainer(kind, MEMORY, 2, save_top_k=1, monitor="step", mode="max", save_last=True)
+    trainer = _trainer(kind, MEMORY, 2, background, save_top_k=1, monitor="step", mode="max", save_last=True)
     trained = Net()
     trainer.fit(trained, train_dataloaders=data())
     entries = sorted(p.rsplit("/", 1)[-1] for p in memory.ls("/bucket/run", detail=False))
