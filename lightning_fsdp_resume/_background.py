@@ -11,6 +11,7 @@ from typing import Any, Callable, List, Optional
 
 from . import _remote
 from . import _torch_compat as compat
+from ._ranks import everyone
 
 _PENDING = "_lightning_fsdp_resume_pending_save"  # on the strategy: this rank's save in the background
 _GROUP = "_lightning_fsdp_resume_save_group"  # on the strategy: the background threads' process group
@@ -43,7 +44,7 @@ def start(strategy: Any, path: Any, write: Callable[[], Any], publish: Callable[
     def run() -> None:
         error = _attempt(write)
         try:
-            failure = next((failure for failure in _gather(_cause(error, rank), group) if failure is not None), None)
+            failure = next((failure for failure in everyone(_cause(error, rank), group) if failure is not None), None)
             if failure is None:
                 if rank == 0:
                     error = _attempt(publish)
@@ -118,16 +119,6 @@ def _attempt(action: Callable[[], Any]) -> Optional[BaseException]:
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         return error
     return None
-
-
-def _gather(obj: Any, group: Any) -> list:
-    if group is None:
-        return [obj]
-    import torch.distributed as dist
-
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
 
 
 def _from_rank_zero(obj: Any, group: Any) -> Any:

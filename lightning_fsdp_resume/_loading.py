@@ -8,9 +8,9 @@ patching or about the Trainer or Fabric.
 """
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from . import _background, _format, _remote, _verify
+from . import _background, _format, _remote, _shard_layout, _verify
 from . import _torch_compat as compat
-from ._ranks import broadcast, decided_on_rank_zero, warn_rank_zero
+from ._ranks import broadcast, decided_on_rank_zero, raise_found_on_any_rank, warn_rank_zero
 from ._remote import AnyPath
 
 
@@ -58,15 +58,34 @@ def load(
     if kind == _format.SHARDED:
         shards = compat.read_shard_index(path)
         restore = plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
+        _shard_layout.drop_gathered_copies(restore.module)
         load_sharded(path, restore, shards)
-        return _verify.read_meta(path, weights_only)
-    checkpoint = _verify.read_full(path, required, weights_only)
-    stored = take(checkpoint)
-    restore = plan(path, _format.count_saved_optimizers(stored), verdict)
-    optimizer_states = {key: stored[key] for key in restore.optimizers}
-    other_states = {key: stored[key] for key in restore.modules}
-    load_full(strategy, path, restore, stored[restore.module_key], optimizer_states, other_states)
-    return checkpoint
+        rest = _verify.read_meta(path, weights_only)
+    else:
+        rest = _verify.read_full(path, required, weights_only)
+        stored = take(rest)
+        restore = plan(path, _format.count_saved_optimizers(stored), verdict)
+        optimizer_states = {key: stored[key] for key in restore.optimizers}
+        other_states = {key: stored[key] for key in restore.modules}
+        _shard_layout.drop_gathered_copies(restore.module)
+        load_full(strategy, path, restore, stored[restore.module_key], optimizer_states, other_states)
+    _check_in_place(path, restore.module)
+    return rest
+
+
+def _check_in_place(path: AnyPath, module: Any) -> None:
+    """After a load, every FSDP unit's next forward computes with the shards it wrote; raised on every rank if not."""
+    stale = _shard_layout.units_off_their_shards(module)
+    found = None
+    if stale:
+        units = ", ".join(repr(name) if name else "the root" for name in stale)
+        found = (
+            f"The checkpoint {str(path)!r} was loaded into this rank's FSDP shards, but FSDP keeps a gathered copy of"
+            f" other weights for {units} and would compute with it: the model would not run the checkpoint's weights."
+            " Load the checkpoint in new processes (the model has not yet run a forward there), and report this"
+            " with your torch release"
+        )
+    raise_found_on_any_rank(found)
 
 
 def _resolved_and_checked(target: str, check: Check, weights_only: bool) -> Tuple[str, _format.StateDictType, Any]:

@@ -4,7 +4,7 @@ process without a process group (a notebook, a unit test), as native Lightning 2
 ``strategy`` is the Trainer's or Fabric's strategy object (``global_rank``, ``broadcast``, ``barrier``).
 """
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, List, Optional
 
 from . import _torch_compat as compat
 
@@ -21,6 +21,26 @@ def decided_on_rank_zero(strategy: Any, check: Callable[..., Any], *args: Any) -
     if error is not None:
         raise error
     return result
+
+
+def everyone(obj: Any, group: Any = None) -> List[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (a collective over ``group``, the default one if None);
+    ``[obj]`` in a process without a process group."""
+    if not compat.distributed():
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def raise_found_on_any_rank(found: Optional[str]) -> None:
+    """Raise ``RuntimeError`` on every rank when any rank ``found`` a fault (its message), naming the first such rank
+    (a collective: every rank calls it, with None where all is well), so that no rank goes on alone."""
+    for rank, message in enumerate(everyone(found)):
+        if message is not None:
+            raise RuntimeError(f"{message} (found on rank {rank})")
 
 
 def broadcast(strategy: Any, obj: Any) -> Any:

@@ -13,7 +13,7 @@ torch 2.0 to 2.13); ``layout()`` answers None for anything it does not recognise
 use torch's loaders. torch is imported inside the functions.
 """
 import math
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # offsets and sizes in a parameter's full shape
 
@@ -56,18 +56,26 @@ class Layout(NamedTuple):
     shapes: Dict[str, Tuple[int, ...]]  # every original parameter's full shape, by name
 
 
+def _handles(model: Any) -> Iterator[Tuple[str, Any]]:
+    """Every FSDP unit of ``model`` that holds a flat parameter: its name and its handle (torch 2.0: the first of
+    its ``_handles``, the one a unit has)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for unit_name, unit in model.named_modules():
+        if not isinstance(unit, FSDP):
+            continue
+        handle = getattr(unit, "_handle", None) or next(iter(getattr(unit, "_handles", None) or ()), None)
+        if handle is not None:
+            yield unit_name, handle
+
+
 def flat_shards(model: Any) -> Optional[List[FlatShard]]:
     """Every flat parameter of ``model`` with what this rank holds of it; None if FSDP's layout is not one
     this module knows (the answer is the same on every rank, so all of them take the same path)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     from ._format import clean_module_name
 
     found = []
-    for unit_name, unit in model.named_modules():
-        handle = getattr(unit, "_handle", None) if isinstance(unit, FSDP) else None
-        if handle is None:
-            continue
+    for unit_name, handle in _handles(model):
         flat = handle.flat_param
         infos = getattr(flat, "_shard_param_infos", None)
         if not handle.uses_sharded_strategy or infos is None or len(infos) != len(flat._fqns):
@@ -164,6 +172,45 @@ def read_model_into_shards(model: Any, path: Any, stored: Dict[str, str]) -> Non
                 views.add_piece(stored[piece.name], shapes[piece.name], flat.param.data, piece)
     with torch.no_grad():
         views.read(path)
+
+
+def _gathered_copy(handle: Any) -> Optional[Any]:
+    """The unit's gathered (unsharded) flat parameter where FSDP keeps it allocated between forwards, else None.
+
+    A unit that does not reshard after its forward keeps the copy until its backward: the root unit always, every
+    unit with ``SHARD_GRAD_OP``. Evaluation has no backward, so after ``validate``, ``test`` or a forward under
+    ``no_grad`` the copy stays, and the next forward computes with it instead of gathering the shards again."""
+    if not handle.uses_sharded_strategy:
+        return None  # NO_SHARD: the flat parameter is whole and is what a load writes
+    padded = getattr(handle.flat_param, "_full_param_padded", None)  # made by FSDP's first forward
+    return padded if padded is not None and padded.untyped_storage().size() > 0 else None
+
+
+def drop_gathered_copies(model: Any) -> None:
+    """Free every gathered copy ``_gathered_copy`` finds in ``model``, so that its next forward gathers the shards:
+    a load writes the shards, and a copy kept from an earlier forward would run the old weights."""
+    for _, handle in _handles(model):
+        if _gathered_copy(handle) is not None:
+            handle.reshard(True)  # to the shard, then free the copy: what FSDP does after a backward
+
+
+def units_off_their_shards(model: Any) -> List[str]:
+    """The FSDP units of ``model`` whose next forward would not compute with this rank's shards: a gathered copy is
+    kept whose part for this rank differs from the shard (in the copy's dtype, mixed precision's). Unit names
+    without wrapper segments; the root's is ``""``."""
+    import torch
+
+    from ._format import clean_module_name
+
+    stale = []
+    for unit_name, handle in _handles(model):
+        padded, shard = _gathered_copy(handle), getattr(handle.flat_param, "_local_shard", None)
+        if padded is None or shard is None:
+            continue
+        own = padded[handle.rank * shard.numel() : (handle.rank + 1) * shard.numel()]
+        if not torch.equal(own, shard.to(device=own.device, dtype=own.dtype)):
+            stale.append(clean_module_name(unit_name))
+    return stale
 
 
 def names_by_group(found: Layout) -> List[List[str]]:
