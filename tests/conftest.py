@@ -19,10 +19,10 @@ def reference(tmp_path_factory):
 
     runs = {}
 
-    def get(state_dict_type: str, use_orig_params: int, optimizers: int = 1) -> Path:
-        key = (state_dict_type, use_orig_params, optimizers)
+    def get(state_dict_type: str, use_orig_params: int, optimizers: int = 1, wrap: str = "policy") -> Path:
+        key = (state_dict_type, use_orig_params, optimizers, wrap)
         if key not in runs:
-            root = tmp_path_factory.mktemp(f"ref-{state_dict_type}-{use_orig_params}-{optimizers}")
+            root = tmp_path_factory.mktemp(f"ref-{state_dict_type}-{use_orig_params}-{optimizers}-{wrap}")
             worker(root, *config(root, *key), "--max-epochs", EPOCHS)
             runs[key] = root
         return runs[key]

@@ -97,8 +97,9 @@ class Run:
         devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         # use_orig_params=False: 2.0.x's default and only kind; 2.1+ defaults to True
         background = {"async_save": True} if args.async_save else {}
-        strategy = FSDPStrategy(state_dict_type=args.state_dict_type, use_orig_params=False,
-                                auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), **background)
+        # --wrap root: FSDPStrategy's default, no policy, so FSDP wraps the root module alone
+        wrapping = {"auto_wrap_policy": ModuleWrapPolicy({nn.Sequential})} if args.wrap == "policy" else {}
+        strategy = FSDPStrategy(state_dict_type=args.state_dict_type, use_orig_params=False, **wrapping, **background)
         self.fabric = Fabric(accelerator="cpu", devices=devices, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // devices,
                              strategy=strategy)
         # Needed under torchrun too: it joins the process group, and Fabric 2.1+ refuses setup_module without it.
@@ -168,6 +169,8 @@ class Run:
             self.loss = loss.item()
         self.scheduler.step()
         with torch.no_grad():
+            if self.args.evaluate:  # a forward with no backward after it: FSDP keeps the root unit's weights gathered
+                self.model(next(batches(self.fabric.global_rank, self.fabric.world_size))[0])
             self.ema.weight.mul_(0.5).add_(self.step)
         self.history.append(self.step)
         self.notes = {"epochs": {"seen": list(range(self.epoch + 1))}, "lr": LR}
@@ -207,6 +210,12 @@ def train(run: Run, args) -> None:
         run.fabric.save(args.ckpt_dir / f"epoch={run.epoch}.ckpt", run.state(), filter=run.save_filter())
     run.record("final")
     lightning_fsdp_resume.wait_for_saves(run.fabric)  # a no-op unless --async-save
+    if args.reload is not None:
+        # in the same processes, back to an earlier checkpoint and on from it
+        run.resume(args.ckpt_dir / f"epoch={args.reload}.ckpt")
+        run.record("reloaded")
+        run.train_epoch()
+        run.record(f"reloaded-epoch{run.epoch}")
 
 
 def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
@@ -280,6 +289,11 @@ def main() -> None:
     parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see faults.kill_during_saves")
     parser.add_argument("--errors", type=Path, default=None, help="make the refused calls, with this checkpoint")
     parser.add_argument("--async-save", action="store_true", help="FSDPStrategy(async_save=True)")
+    parser.add_argument("--wrap", choices=["policy", "root"], default="policy",
+                        help="policy: an FSDP unit per nn.Sequential; root: no auto_wrap_policy, the root unit only")
+    parser.add_argument("--evaluate", action="store_true", help="a forward under no_grad after each epoch")
+    parser.add_argument("--reload", type=int, default=None,
+                        help="EPOCH: after training, fabric.load that epoch's checkpoint, record it, train one epoch more")
     parser.add_argument("--trace-saves", type=float, default=None,
                         help="SECONDS: log each save's steps to OUT/saves_rank{rank}.txt, each write delayed by SECONDS")
     args = parser.parse_args()

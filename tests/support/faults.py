@@ -27,6 +27,14 @@ def cut_network(control_port: int):
     return cut
 
 
+def keep_gathered_copies() -> None:
+    """Loads leave the gathered weights FSDP kept from an earlier forward in place (the shim frees them before it
+    loads): what the check after every load must then refuse."""
+    from lightning_fsdp_resume import _shard_layout
+
+    _shard_layout.drop_gathered_copies = lambda model: None
+
+
 def kill_during_saves(strategy, point: str, rank: int, save: int, fault=sigkill) -> None:
     """SIGKILL ``rank`` at ``point`` of the ``save``-th checkpoint save (``strategy.save_checkpoint``) of this process
     (or run another ``fault`` there, once).

@@ -140,17 +140,18 @@ def nodes(tmp: Path, *args, count: int = 2, env=None) -> str:
     return "".join(outputs)
 
 
-def config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: int = 1):
-    """The worker arguments of one configuration, writing under ``root``."""
+def config(root: Path, state_dict_type: str, use_orig_params: int, optimizers: int = 1, wrap: str = "policy"):
+    """The worker arguments of one configuration, writing under ``root``. ``wrap``: ``"policy"`` (an FSDP unit
+    per ``nn.Sequential``) or ``"root"`` (no ``auto_wrap_policy``: Lightning's default, the root unit alone)."""
     return [
         "--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type,
-        "--use-orig-params", use_orig_params, "--optimizers", optimizers,
+        "--use-orig-params", use_orig_params, "--optimizers", optimizers, "--wrap", wrap,
     ]
 
 
-def fabric_config(root: Path, state_dict_type: str):
-    """The Fabric worker's arguments of one configuration, writing under ``root``."""
-    return ["--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type]
+def fabric_config(root: Path, state_dict_type: str, wrap: str = "policy"):
+    """The Fabric worker's arguments of one configuration, writing under ``root`` (``wrap`` as for ``config``)."""
+    return ["--out", root / "out", "--ckpt-dir", root / "ckpt", "--state-dict-type", state_dict_type, "--wrap", wrap]
 
 
 # Native Lightning re-keys id-keyed (full) optimizer states with FSDP.rekey_optim_state_dict, which

@@ -20,7 +20,7 @@ if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/t
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import models, states  # noqa: E402
-from support.faults import cut_network, fail_write, kill_during_saves, trace_saves  # noqa: E402
+from support.faults import cut_network, fail_write, keep_gathered_copies, kill_during_saves, trace_saves  # noqa: E402
 from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
 from support.s3 import configure, directory  # noqa: E402
 
@@ -288,10 +288,12 @@ def make_trainer(args, max_epochs: int):
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         checkpoint_kind = {} if args.stock else {"state_dict_type": args.state_dict_type}
+        # --wrap root: Lightning's default, no policy, so FSDP wraps the root module alone
+        wrapping = {"auto_wrap_policy": ModuleWrapPolicy({nn.Sequential})} if args.wrap == "policy" else {}
         strategy = FSDPStrategy(
             **checkpoint_kind,
             use_orig_params=bool(args.use_orig_params),
-            auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+            **wrapping,
             **activation_checkpointing(args.activation_checkpointing),
         )
         devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -369,7 +371,7 @@ def run_steps(args, trainer, model) -> None:
                     recorder(trainer).prefix = f"s{number}-"
                 if fn == "fit":
                     trainer.fit_loop.max_epochs = int(epochs)
-                    trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path)
+                    trainer.fit(model, train_dataloaders=data(), val_dataloaders=data(), ckpt_path=ckpt_path)
                 else:
                     getattr(trainer, fn)(model, dataloaders=data(), ckpt_path=ckpt_path)
             outcomes.append({"step": step, "error": None})
@@ -392,6 +394,8 @@ def main() -> None:
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--use-orig-params", type=int, default=0)
     parser.add_argument("--optimizers", type=int, default=1)
+    parser.add_argument("--wrap", choices=["policy", "root"], default="policy",
+                        help="policy: an FSDP unit per nn.Sequential; root: no auto_wrap_policy, the root unit only")
     parser.add_argument("--max-epochs", type=int, default=4)
     parser.add_argument("--fn", choices=["fit", "validate", "test", "predict"], default="fit")
     parser.add_argument("--ckpt-path", default=None)
@@ -408,6 +412,7 @@ def main() -> None:
     parser.add_argument("--stock", action="store_true", help="Lightning's own FSDPStrategy arguments (no state_dict_type)")
     parser.add_argument("--then", nargs="*", default=[], help="steps after the first call in the same processes, see run_steps")
     parser.add_argument("--async-save", action="store_true", help="Trainer(plugins=[AsyncCheckpointIO()])")
+    parser.add_argument("--keep-gathered-copies", action="store_true", help="see faults.keep_gathered_copies")
     parser.add_argument("--fail", default=None,
                         help="POINT:RANK:SAVE, fail the write there (see kill_during_saves); fit's error goes to OUT/error_rank{rank}.txt")
     parser.add_argument("--trace-saves", type=float, default=None,
@@ -430,6 +435,8 @@ def main() -> None:
         kill_during_saves(trainer.strategy, point, int(rank), int(save), fault=fail_write)
     if args.trace_saves is not None:
         trace_saves(trainer.strategy, args.out / f"saves_rank{os.environ.get('RANK', '0')}.txt", args.trace_saves)
+    if args.keep_gathered_copies:
+        keep_gathered_copies()
     if args.cut:
         point, rank, save, port = args.cut.split(":")
         kill_during_saves(trainer.strategy, point, int(rank), int(save), fault=cut_network(int(port)))
@@ -450,7 +457,8 @@ def main() -> None:
 
             (args.out / f"error_rank{os.environ.get('RANK', '0')}.txt").write_text(traceback.format_exc())
     elif args.fn == "fit":
-        trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path)
+        # before the steps in the same processes, validation too: its forward passes are what FSDP keeps gathered
+        trainer.fit(model, train_dataloaders=data(), val_dataloaders=data() if args.then else None, ckpt_path=ckpt_path)
         if args.trace_saves is not None:
             with open(args.out / f"saves_rank{os.environ.get('RANK', '0')}.txt", "a") as log:
                 log.write("fit-returned\n")
