@@ -5,6 +5,7 @@ fit on. In one process without FSDP: read a sharded checkpoint wherever Lightnin
 is one row of the README's table (``support/workflows.py``); where the Lightning under test fails a row, its
 test is an expected failure, strict, so the table cannot go stale.
 """
+import re
 from pathlib import Path
 
 import pytest
@@ -23,31 +24,39 @@ pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 
 # After fit(max_epochs=2), with the best checkpoint the first (epoch=0) and last.ckpt the second (epoch=1)
 EVALUATE = ["test:best", "save:after-test.ckpt", "test:none", "validate:epoch=1.ckpt", "predict:last"]
-# After fit(max_epochs=1): on to 2 epochs with the same Trainer, then to 3 with a new one
-FIT_AGAIN = ["fit:last:2", "newfit:last:3"]
+# After fit(max_epochs=1): on to 2 epochs with the same Trainer; validate the first epoch's weights; then on to 3
+# with a new Trainer from last.ckpt, which holds other weights than the ones validation ran with
+FIT_AGAIN = ["fit:last:2", "validate:epoch=0.ckpt", "newfit:last:3"]
 SEQUENCES = {"evaluate": (2, EVALUATE), "fit again": (1, FIT_AGAIN)}
 
-CONFIGS = [("sharded", 0), ("sharded", 1), ("full", FULL_USE_ORIG_PARAMS)]
+# (state_dict_type, use_orig_params, wrap): with a wrap policy (an FSDP unit per nn.Sequential, the head in the root
+# unit) and with Lightning's default, no policy, where the root unit holds every weight; FSDP keeps the root's
+# gathered weights from one forward to the next when no backward follows (evaluation)
+CONFIGS = [("sharded", 0, "policy"), ("sharded", 1, "policy"), ("full", FULL_USE_ORIG_PARAMS, "policy")] + [
+    ("sharded", 0, "root"), ("sharded", 1, "root"),
+    *(("full", use_orig_params, "root") for use_orig_params in sorted({FULL_USE_ORIG_PARAMS, 1})),
+]
 STOCK = "stock"  # Lightning 2.0.x with the shim turned off: its own (full) save, no state_dict_type
 
 
 def _params(configs=CONFIGS):
-    return [pytest.param(*c, id=f"{c[0]}-orig{c[1]}") for c in configs]
+    return [pytest.param(*c, id=f"{c[0]}-orig{c[1]}-{c[2]}") for c in configs]
 
 
 _runs = {}
 
 
-def _sequence(tmp_path_factory, name: str, state_dict_type: str, use_orig_params: int) -> Path:
-    """The run of one sequence in one configuration (once per session): its --out directory."""
+def _sequence(tmp_path_factory, name: str, state_dict_type: str, use_orig_params: int, wrap: str = "policy") -> Path:
+    """The run of one sequence in one configuration (once per session): its --out directory. ``fit`` validates
+    every epoch, as a ``ModelCheckpoint`` that monitors a validation metric needs."""
     supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
     if not supported:
         pytest.skip(why)
-    key = (name, state_dict_type, use_orig_params)
+    key = (name, state_dict_type, use_orig_params, wrap)
     if key not in _runs:
-        root = tmp_path_factory.mktemp(f"sequence-{name.replace(' ', '-')}-{state_dict_type}-{use_orig_params}")
+        root = tmp_path_factory.mktemp(f"sequence-{name.replace(' ', '-')}-{state_dict_type}-{use_orig_params}-{wrap}")
         epochs, steps = SEQUENCES[name]
-        args = [*config(root, "full" if state_dict_type == STOCK else state_dict_type, use_orig_params),
+        args = [*config(root, "full" if state_dict_type == STOCK else state_dict_type, use_orig_params, wrap=wrap),
                 "--best-first", "--max-epochs", epochs, "--then", *steps]
         env = None
         if state_dict_type == STOCK:
@@ -70,61 +79,82 @@ def load_json(path: Path):
 
 
 def _evaluated_with(out: Path, step: str, ref: Path, epoch: int) -> None:
-    """``step`` ran with epoch ``epoch``'s weights on every rank, bit for bit."""
+    """``step`` ran with epoch ``epoch``'s weights, bit for bit: every rank's shards, and the whole weights as FSDP
+    gathers them for a forward (a gathered copy FSDP kept from an earlier forward shows here, not in the shards)."""
     assert_ranks_identical(ref / "out", f"epoch{epoch}", out, step, parts=["params", "buffers"])
+    assert_identical(load(ref / "out" / f"full_epoch{epoch}.pt")["params"], load(out / f"full_{step}.pt")["params"],
+                     f"the weights {step} computed with")
 
 
-@pytest.mark.parametrize("state_dict_type, use_orig_params", _params())
+@pytest.mark.parametrize("state_dict_type, use_orig_params, wrap", _params())
 @pytest.mark.parametrize("workflow", [pytest.param("test_best", marks=expected("test_best"))])
 def test_fit_then_test_best_runs_the_best_weights_and_keeps_the_optimizers(
-    reference, tmp_path_factory, state_dict_type, use_orig_params, workflow
+    reference, tmp_path_factory, state_dict_type, use_orig_params, wrap, workflow
 ):
-    out = _sequence(tmp_path_factory, "evaluate", state_dict_type, use_orig_params)
+    out = _sequence(tmp_path_factory, "evaluate", state_dict_type, use_orig_params, wrap)
     _step_ok(out, 1)
-    ref = reference(state_dict_type, use_orig_params)
+    ref = reference(state_dict_type, use_orig_params, wrap=wrap)
     _evaluated_with(out, "s1-test", ref, 0)
     # the optimizers fit made, with their state after the last epoch: test creates none
     assert_ranks_identical(ref / "out", "epoch1", out, "s1-test", parts=["optim"])
 
 
-@pytest.mark.parametrize("state_dict_type, use_orig_params", _params())
+@pytest.mark.parametrize("state_dict_type, use_orig_params, wrap", _params())
 @pytest.mark.parametrize("workflow, number, step, epoch", [
     pytest.param("evaluate_none", 3, "s3-test", 0, marks=expected("evaluate_none")),  # the best, loaded by step 1
     pytest.param("evaluate_path", 4, "s4-validate", 1, marks=expected("evaluate_path")),
     pytest.param("evaluate_last", 5, "s5-predict", 1, marks=expected("evaluate_last")),
 ])
 def test_fit_then_evaluate_runs_the_named_weights(
-    reference, tmp_path_factory, state_dict_type, use_orig_params, workflow, number, step, epoch
+    reference, tmp_path_factory, state_dict_type, use_orig_params, wrap, workflow, number, step, epoch
 ):
-    out = _sequence(tmp_path_factory, "evaluate", state_dict_type, use_orig_params)
+    out = _sequence(tmp_path_factory, "evaluate", state_dict_type, use_orig_params, wrap)
     _step_ok(out, number)
-    _evaluated_with(out, step, reference(state_dict_type, use_orig_params), epoch)
+    _evaluated_with(out, step, reference(state_dict_type, use_orig_params, wrap=wrap), epoch)
 
 
-@pytest.mark.parametrize("state_dict_type, use_orig_params", _params())
+@pytest.mark.parametrize("state_dict_type, use_orig_params, wrap", _params())
 @pytest.mark.parametrize("workflow", [pytest.param("save_after_test", marks=expected("save_after_test"))])
-def test_save_after_test_resumes_exactly(tmp_path_factory, tmp_path, state_dict_type, use_orig_params, workflow):
+def test_save_after_test_resumes_exactly(tmp_path_factory, tmp_path, state_dict_type, use_orig_params, wrap, workflow):
     """The best weights test ran with, the optimizers' state after fit: what a save then holds and a resume restores."""
-    out = _sequence(tmp_path_factory, "evaluate", state_dict_type, use_orig_params)
+    out = _sequence(tmp_path_factory, "evaluate", state_dict_type, use_orig_params, wrap)
     _step_ok(out, 2)
-    worker(tmp_path, *config(tmp_path, state_dict_type, use_orig_params), "--max-epochs", 3,
+    worker(tmp_path, *config(tmp_path, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", 3,
            "--ckpt-path", out / "after-test.ckpt")
     assert_ranks_identical(out, "s2-saved", tmp_path / "out", "start")
 
 
-@pytest.mark.parametrize("state_dict_type, use_orig_params", _params())
+@pytest.mark.parametrize("state_dict_type, use_orig_params, wrap", _params())
 @pytest.mark.parametrize("workflow, number, start, end", [
     pytest.param("fit_again_same_trainer", 1, 0, 1, marks=expected("fit_again_same_trainer")),
-    pytest.param("fit_again_new_trainer", 2, 1, 2, marks=expected("fit_again_new_trainer")),
+    pytest.param("fit_again_new_trainer", 3, 1, 2, marks=expected("fit_again_new_trainer")),
 ])
 def test_fit_again_from_last_continues_exactly(
-    reference, tmp_path_factory, state_dict_type, use_orig_params, workflow, number, start, end
+    reference, tmp_path_factory, state_dict_type, use_orig_params, wrap, workflow, number, start, end
 ):
-    out = _sequence(tmp_path_factory, "fit again", state_dict_type, use_orig_params)
+    out = _sequence(tmp_path_factory, "fit again", state_dict_type, use_orig_params, wrap)
     _step_ok(out, number)
-    ref = reference(state_dict_type, use_orig_params)
+    ref = reference(state_dict_type, use_orig_params, wrap=wrap)
+    if workflow == "fit_again_new_trainer":  # the validation before it ran other weights than last.ckpt's
+        _evaluated_with(out, "s2-validate", ref, 0)
     assert_ranks_identical(ref / "out", f"epoch{start}", out, f"s{number}-start")
     assert_ranks_identical(ref / "out", f"epoch{end}", out, f"s{number}-epoch{end}")
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's check after a load")
+@pytest.mark.skipif(torch_release() < (2, 5), reason="torch < 2.5: the shim loads the model through FSDP's own state-dict"
+                    " hooks, which write a kept gathered copy and the shards alike")
+def test_a_load_the_model_would_not_compute_with_is_refused_on_every_rank(tmp_path):
+    """Were the gathered copy FSDP keeps after evaluation left in place (``faults.keep_gathered_copies``), the load
+    would not reach the forward: the check after every load refuses it on every rank, naming the checkpoint."""
+    worker(tmp_path, *config(tmp_path, "sharded", 0, wrap="root"), "--best-first", "--max-epochs", 2,
+           "--keep-gathered-copies", "--then", "test:best")
+    for rank in range(2):
+        error = load_json(tmp_path / "out" / f"steps_rank{rank}.json")[0]["error"]
+        assert error is not None and re.fullmatch(
+            r"RuntimeError: The checkpoint '.*epoch=0\.ckpt' was loaded into this rank's FSDP shards, but FSDP keeps a"
+            r" gathered copy of other weights for the root and would compute with it: .* \(found on rank 0\)", error
+        ), f"rank {rank}: {error}"
 
 
 # --- stock Lightning 2.0.x, the same sequences with the shim turned off: the table's first column ----------------
@@ -136,27 +166,29 @@ stock_only = pytest.mark.skipif(NATIVE or torch_release() >= (2, 6),
 
 
 @stock_only
+@pytest.mark.parametrize("wrap", ["policy", "root"])
 @pytest.mark.parametrize("workflow, number, step, epoch", [
     pytest.param("test_best", 1, "s1-test", 0, marks=expected("test_best", stock=True)),
     pytest.param("evaluate_none", 3, "s3-test", 0, marks=expected("evaluate_none", stock=True)),
     pytest.param("evaluate_path", 4, "s4-validate", 1, marks=expected("evaluate_path", stock=True)),
     pytest.param("evaluate_last", 5, "s5-predict", 1, marks=expected("evaluate_last", stock=True)),
 ])
-def test_stock_fit_then_evaluate(reference, tmp_path_factory, workflow, number, step, epoch):
-    out = _sequence(tmp_path_factory, "evaluate", STOCK, 0)
+def test_stock_fit_then_evaluate(reference, tmp_path_factory, workflow, number, step, epoch, wrap):
+    out = _sequence(tmp_path_factory, "evaluate", STOCK, 0, wrap)
     _step_ok(out, number)
-    _evaluated_with(out, step, reference("full", 0), epoch)
+    _evaluated_with(out, step, reference("full", 0, wrap=wrap), epoch)
 
 
 @stock_only
+@pytest.mark.parametrize("wrap", ["policy", "root"])
 @pytest.mark.parametrize("workflow, number, start, end", [
     pytest.param("fit_again_same_trainer", 1, 0, 1, marks=expected("fit_again_same_trainer", stock=True)),
-    pytest.param("fit_again_new_trainer", 2, 1, 2, marks=expected("fit_again_new_trainer", stock=True)),
+    pytest.param("fit_again_new_trainer", 3, 1, 2, marks=expected("fit_again_new_trainer", stock=True)),
 ])
-def test_stock_fit_again(reference, tmp_path_factory, workflow, number, start, end):
-    out = _sequence(tmp_path_factory, "fit again", STOCK, 0)
+def test_stock_fit_again(reference, tmp_path_factory, workflow, number, start, end, wrap):
+    out = _sequence(tmp_path_factory, "fit again", STOCK, 0, wrap)
     _step_ok(out, number)
-    ref = reference("full", 0)
+    ref = reference("full", 0, wrap=wrap)
     assert_ranks_identical(ref / "out", f"epoch{start}", out, f"s{number}-start")
     assert_ranks_identical(ref / "out", f"epoch{end}", out, f"s{number}-epoch{end}")
 

@@ -23,9 +23,16 @@ _STOCK_REWRAPS = "`KeyError` (it wraps the model again)"
 _STOCK_OPTIMIZER = "`ValueError` (the save holds rank 0's optimizer shard only)"
 
 
+# How the rows' models were wrapped in FSDP: the same-process rows run with both (tests/test_workflows.py's CONFIGS)
+BOTH_WRAPPINGS = "root unit alone, and a wrap policy"
+WITHOUT_FSDP = "— (read without FSDP)"
+IN_THE_HOOK = "units wrapped in the hook"
+
+
 class Workflow(NamedTuple):
     what: str  # the README's row
     fails: Dict[str, Optional[str]]  # column -> why it fails there (missing: it passes; None: does not apply)
+    wrapping: str = BOTH_WRAPPINGS  # how FSDP wrapped the model where the row runs
 
 
 WORKFLOWS = {
@@ -60,26 +67,32 @@ WORKFLOWS = {
     "load_from_checkpoint": Workflow(
         "`LightningModule.load_from_checkpoint(<sharded directory>)`, no process group",
         {STOCK: None, NATIVE_21: "reads files only", NATIVE_NEWEST: "reads files only"},
+        WITHOUT_FSDP,
     ),
     "single_device_ckpt_path": Workflow(
         "`Trainer(devices=1).predict(model, ckpt_path=<sharded directory>)`",
         {STOCK: None, NATIVE_21: "reads files only", NATIVE_NEWEST: "reads files only"},
+        WITHOUT_FSDP,
     ),
     "ddp_ckpt_path": Workflow(
         '`Trainer(strategy="ddp").fit(model, ckpt_path=<sharded directory>)`, exact resume',
         {STOCK: None, NATIVE_21: "reads files only", NATIVE_NEWEST: "reads files only"},
+        WITHOUT_FSDP,
     ),
     "fabric_without_fsdp": Workflow(
         "Fabric without FSDP: `load` of a sharded directory (model, optimizer, the rest)",
         {STOCK: None, NATIVE_21: "reads files only", NATIVE_NEWEST: "reads files only"},
+        WITHOUT_FSDP,
     ),
     "configure_sharded_model_full": Workflow(
         "`load_from_checkpoint(<full file>)` of a model that builds layers in `configure_sharded_model`",
         {STOCK: "loads before the hook builds them", NATIVE_21: "loads before the hook builds them"},
+        IN_THE_HOOK,
     ),
     "configure_sharded_model_sharded": Workflow(
         "`load_from_checkpoint(<sharded directory>)` of a model that builds layers in `configure_sharded_model`",
         {STOCK: None, NATIVE_21: "loads before the hook builds them", NATIVE_NEWEST: "reads files only"},
+        IN_THE_HOOK,
     ),
 }
 
@@ -111,8 +124,8 @@ def _cell(workflow: Workflow, column: str) -> str:
 
 def markdown() -> str:
     """The README's table."""
-    lines = ["| workflow | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+    lines = ["| workflow | FSDP wrapping | " + " | ".join(COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
     for workflow in WORKFLOWS.values():
         cells = [_cell(workflow, c) for c in COLUMNS]
-        lines.append(f"| {workflow.what} | " + " | ".join(cells) + " |")
+        lines.append(f"| {workflow.what} | {workflow.wrapping} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
