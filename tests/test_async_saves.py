@@ -31,19 +31,20 @@ def _saves(run: Path, rank: int = 0):
     return (run / "out" / f"saves_rank{rank}.txt").read_text().splitlines()
 
 
-def _async_run(run: Path, kind: str, *args) -> None:
-    worker(run, *config(run, kind, FULL_USE_ORIG_PARAMS if kind == "full" else 0), "--max-epochs", EPOCHS,
+def _async_run(run: Path, kind: str, *args, wrap: str = "policy") -> None:
+    worker(run, *config(run, kind, FULL_USE_ORIG_PARAMS if kind == "full" else 0, wrap=wrap), "--max-epochs", EPOCHS,
            "--async-save", "--trace-saves", DELAY, *args)
 
 
 @needs_async_save
-@pytest.mark.parametrize("kind", [pytest.param("sharded", marks=pytest.mark.smoke), "full"])
-def test_background_saves_hold_the_state_at_the_call_and_resume_exactly(tmp_path, kind):
+@pytest.mark.parametrize("kind, wrap", [pytest.param("sharded", "policy", marks=pytest.mark.smoke), ("full", "policy"),
+                                        ("sharded", "root")])  # root: no auto_wrap_policy, one flat parameter
+def test_background_saves_hold_the_state_at_the_call_and_resume_exactly(tmp_path, kind, wrap):
     # BatchNorm's running statistics: buffers that a sharded state dict hands over as they are, not copied
     run, resumed = tmp_path / "async", tmp_path / "resumed"
-    _async_run(run, kind, "--net", "buffered")
+    _async_run(run, kind, "--net", "buffered", wrap=wrap)
     # epoch=0.ckpt was written while epoch 1 trained: it must hold epoch 0's end, which the run recorded there
-    worker(resumed, *config(resumed, kind, FULL_USE_ORIG_PARAMS if kind == "full" else 0), "--net", "buffered",
+    worker(resumed, *config(resumed, kind, FULL_USE_ORIG_PARAMS if kind == "full" else 0, wrap=wrap), "--net", "buffered",
            "--max-epochs", EPOCHS, "--ckpt-path", run / "ckpt" / "epoch=0.ckpt")
     assert_ranks_identical(run / "out", "epoch0", resumed / "out", "start")
     assert_ranks_identical(run / "out", "final", resumed / "out", "final")

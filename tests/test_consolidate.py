@@ -134,12 +134,12 @@ def test_importing_it_imports_neither_torch_nor_lightning():
 # --- checkpoints of real 2-rank runs ---------------------------------------------------------------
 
 
-def _consolidated(reference, tmp_path: Path, use_orig_params: int, optimizers: int = 1, **options):
+def _consolidated(reference, tmp_path: Path, use_orig_params: int, optimizers: int = 1, wrap: str = "policy", **options):
     """The sharded run's checkpoint after epoch 1, consolidated (with ``options``); the run's directory and the file."""
     supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
     if not supported:
         pytest.skip(why)
-    root = reference("sharded", use_orig_params, optimizers)
+    root = reference("sharded", use_orig_params, optimizers, wrap)
     dst = tmp_path / "full.ckpt"
     consolidate(root / "ckpt" / MID, dst, progress=False, **options)
     return root, dst
@@ -151,25 +151,31 @@ def _registration_order():
     return [name for name, _ in Net().named_parameters()]
 
 
-SHARDED = [pytest.param(0, 1, id="flat-params"), pytest.param(1, 1, id="orig-params"), pytest.param(0, 2, id="two-optimizers")]
+# root: no auto_wrap_policy (Lightning's default), the root unit's one flat parameter holds every weight, so each
+# rank's shard of it begins and ends inside parameters
+SHARDED = [pytest.param(0, 1, "policy", id="flat-params"), pytest.param(1, 1, "policy", id="orig-params"),
+           pytest.param(0, 2, "policy", id="two-optimizers"), pytest.param(0, 1, "root", id="flat-params-root-only"),
+           pytest.param(1, 1, "root", id="orig-params-root-only")]
 
 
-@pytest.mark.parametrize("use_orig_params,optimizers", SHARDED)
+@pytest.mark.parametrize("use_orig_params,optimizers,wrap", SHARDED)
 @pytest.mark.multirank
 @needs_cpu_fsdp
-def test_weights_equal_the_runs_gathered_weights(reference, tmp_path, use_orig_params, optimizers):
-    root, dst = _consolidated(reference, tmp_path, use_orig_params, optimizers)
+def test_weights_equal_the_runs_gathered_weights(reference, tmp_path, use_orig_params, optimizers, wrap):
+    root, dst = _consolidated(reference, tmp_path, use_orig_params, optimizers, wrap)
     state_dict = load(dst)["state_dict"]
     assert list(state_dict) == _registration_order()  # the LightningModule's keys, in its order
     assert_identical(load(root / "out" / "full_epoch1.pt")["params"], state_dict, "weights")
 
 
-@pytest.mark.parametrize("use_orig_params,optimizers", SHARDED)
+@pytest.mark.parametrize("use_orig_params,optimizers,wrap", SHARDED)
 @pytest.mark.multirank
 @needs_cpu_fsdp
-def test_optimizer_ids_number_each_optimizers_parameters_in_registration_order(reference, tmp_path, use_orig_params, optimizers):
+def test_optimizer_ids_number_each_optimizers_parameters_in_registration_order(
+    reference, tmp_path, use_orig_params, optimizers, wrap
+):
     """Compared with the optimizer state torch itself gathered in the run, keyed by name."""
-    root, dst = _consolidated(reference, tmp_path, use_orig_params, optimizers)
+    root, dst = _consolidated(reference, tmp_path, use_orig_params, optimizers, wrap)
     gathered = load(root / "out" / "full_epoch1.pt")["optim"]
     states = load(dst)["optimizer_states"]
     assert len(states) == optimizers == len(gathered)

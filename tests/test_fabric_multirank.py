@@ -105,6 +105,49 @@ def test_full_save_load_continue_is_bit_exact(fabric_reference, resumed):
     _assert_resumed_exactly(ref, resumed("full"))
 
 
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """One run per ``state_dict_type`` and wrapping that evaluates after every epoch (a forward under ``no_grad``),
+    then, in the same processes, loads its checkpoint after epoch 0 and trains one more epoch (``--reload``)."""
+    runs = {}
+
+    def get(state_dict_type: str, wrap: str) -> Path:
+        if (state_dict_type, wrap) not in runs:
+            root = tmp_path_factory.mktemp(f"fabric-evaluated-{state_dict_type}-{wrap}")
+            fabric_worker(root, *fabric_config(root, state_dict_type, wrap), "--epochs", EPOCHS, "--evaluate",
+                          "--reload", RESUME_EPOCH)
+            runs[state_dict_type, wrap] = root
+        return runs[state_dict_type, wrap]
+
+    return get
+
+
+WRAPPINGS = [pytest.param("policy", id="policy"), pytest.param("root", id="root")]
+
+
+@pytest.mark.parametrize("wrap", WRAPPINGS)
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_a_load_after_evaluation_runs_the_loaded_weights(evaluated, state_dict_type, wrap):
+    """After a forward with no backward, FSDP keeps the root unit's weights gathered (Fabric's default wraps the root
+    alone; with the policy, the head is in the root unit). ``fabric.load`` in the same processes then restores the
+    checkpoint's weights as the next forward computes with them, and the epoch after it trains as it did first."""
+    out = evaluated(state_dict_type, wrap) / "out"
+    after = RESUME_EPOCH + 1
+    assert_ranks_identical(out, f"epoch{RESUME_EPOCH}", out, "reloaded", parts=SHARDS_AND_OPTIMIZER)
+    assert_identical(load(out / f"full_epoch{RESUME_EPOCH}.pt"), load(out / "full_reloaded.pt"), "the gathered weights")
+    assert_ranks_identical(out, f"epoch{after}", out, f"reloaded-epoch{after}", parts=SHARDS_AND_OPTIMIZER)
+    assert_identical(load(out / f"full_epoch{after}.pt"), load(out / f"full_reloaded-epoch{after}.pt"), "the epoch after")
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_root_only_save_load_continue_is_bit_exact(evaluated, tmp_path, state_dict_type):
+    """With FSDPStrategy's default wrapping (the root unit alone), a checkpoint resumes in new processes bit for bit."""
+    ref = evaluated(state_dict_type, "root")
+    fabric_worker(tmp_path, *fabric_config(tmp_path, state_dict_type, "root"), "--epochs", EPOCHS,
+                  "--resume", ref / "ckpt" / RESUME)
+    _assert_resumed_exactly(ref, tmp_path)
+
+
 @pytest.mark.parametrize("net", ["buffered", "dropout"])
 @pytest.mark.parametrize("state_dict_type", [
     pytest.param("sharded", marks=pytest.mark.xfail(NATIVE, strict=True, reason=SCHEDULER_BUG.replace(

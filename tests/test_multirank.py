@@ -31,10 +31,16 @@ def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:
     return tmp_path
 
 
+# How FSDP is wrapped: an FSDP unit per nn.Sequential (the head in the root unit), or Lightning's default, no
+# auto_wrap_policy, where the root unit holds every weight in one flat parameter
+WRAPPINGS = ["policy", "root"]
+
+
+@pytest.mark.parametrize("wrap", WRAPPINGS)
 @pytest.mark.parametrize("use_orig_params", [pytest.param(0, marks=pytest.mark.smoke), 1])
-def test_sharded_resume_is_bit_exact(reference, tmp_path, use_orig_params):
-    resumed = _resume_matches_uninterrupted(reference, tmp_path, ("sharded", use_orig_params))
-    assert (reference("sharded", use_orig_params) / "ckpt" / MID).is_dir()
+def test_sharded_resume_is_bit_exact(reference, tmp_path, use_orig_params, wrap):
+    resumed = _resume_matches_uninterrupted(reference, tmp_path, ("sharded", use_orig_params, 1, wrap))
+    assert (reference("sharded", use_orig_params, wrap=wrap) / "ckpt" / MID).is_dir()
     assert info(resumed / "out", "start")["epoch"] == 2
 
 
@@ -49,28 +55,30 @@ def test_a_torchrun_launch_resumes_the_same_as_the_rank_server(reference, tmp_pa
     assert_ranks_identical(ref / "out", "final", tmp_path / "out", "final")
 
 
+@pytest.mark.parametrize("wrap", WRAPPINGS)
 @pytest.mark.parametrize("use_orig_params", [pytest.param(0, marks=pytest.mark.smoke), 1])
-def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params):
+def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params, wrap):
     if NATIVE and not use_orig_params:
         pytest.skip(f"native Lightning {VERSION} cannot save a full checkpoint with use_orig_params=False")
-    _resume_matches_uninterrupted(reference, tmp_path, ("full", use_orig_params))
-    assert (reference("full", use_orig_params) / "ckpt" / MID).is_file()
+    _resume_matches_uninterrupted(reference, tmp_path, ("full", use_orig_params, 1, wrap))
+    assert (reference("full", use_orig_params, wrap=wrap) / "ckpt" / MID).is_file()
 
 
 @pytest.mark.xfail(NATIVE, strict=True, reason="native Lightning keeps no rank's RNG states, and one copy of buffers")
-@pytest.mark.parametrize("net", ["buffered", "dropout"])
+@pytest.mark.parametrize("net, wrap", [("buffered", "policy"), ("buffered", "root"), ("dropout", "policy")])
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_every_rank_resumes_its_own_buffers_and_random_state(tmp_path, state_dict_type, net):
+def test_every_rank_resumes_its_own_buffers_and_random_state(tmp_path, state_dict_type, net, wrap):
     """BatchNorm's running statistics are buffers that FSDP does not synchronise: each rank's are its own.
     Dropout's masks come from each rank's random number generator. The checkpoint holds both per rank, and
-    every rank's weights, buffers and optimizer state after the resume equal the uninterrupted run's."""
+    every rank's weights, buffers and optimizer state after the resume equal the uninterrupted run's. With the root
+    unit alone, the buffers are the root unit's, beside its one flat parameter."""
     use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
     supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
     if not supported:
         pytest.skip(why)
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    worker(ref, *config(ref, state_dict_type, use_orig_params), "--max-epochs", EPOCHS, "--net", net)
-    worker(resumed, *config(resumed, state_dict_type, use_orig_params), "--max-epochs", EPOCHS, "--net", net,
+    worker(ref, *config(ref, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net)
+    worker(resumed, *config(resumed, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net,
            "--ckpt-path", ref / "ckpt" / MID)
     if net == "buffered":
         saved = [load(ref / "out" / f"epoch1_rank{rank}.pt")["buffers"] for rank in (0, 1)]

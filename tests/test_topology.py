@@ -12,17 +12,19 @@ from support.states import assert_identical, assert_ranks_identical, info, load
 pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 
 
-@pytest.mark.parametrize("ranks", [1, 3])
+# (ranks, wrap): with the root unit alone (Lightning's default), one flat parameter holds every weight, so a rank's
+# shard begins and ends inside parameters, on 3 ranks inside rows
+@pytest.mark.parametrize("ranks, wrap", [(1, "policy"), (3, "policy"), (3, "root")])
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_checkpoint_from_two_ranks_resumes_on_other_world_sizes(reference, tmp_path, state_dict_type, ranks):
+def test_checkpoint_from_two_ranks_resumes_on_other_world_sizes(reference, tmp_path, state_dict_type, ranks, wrap):
     """Right after loading, the gathered weights and optimizer state equal the 2-rank run's at the checkpoint;
     the ranks' own RNG states and buffers are not restored, with one warning."""
     use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
     supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
     if not supported:
         pytest.skip(why)
-    ref = reference(state_dict_type, use_orig_params)
-    output = worker(tmp_path, *config(tmp_path, state_dict_type, use_orig_params), "--max-epochs", EPOCHS,
+    ref = reference(state_dict_type, use_orig_params, wrap=wrap)
+    output = worker(tmp_path, *config(tmp_path, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS,
                     "--ckpt-path", ref / "ckpt" / MID, nproc=ranks)
     if not NATIVE:  # each rank's RNG states and buffers stay as they are, and it says so once
         assert output.count(f"was saved by 2 ranks and is resumed on {ranks}:") == 1, output[-3000:]
