@@ -141,6 +141,17 @@ def test_fit_again_from_last_continues_exactly(
     assert_ranks_identical(ref / "out", f"epoch{end}", out, f"s{number}-epoch{end}")
 
 
+@pytest.mark.parametrize("workflow", [pytest.param("test_best", marks=expected("test_best"))])
+def test_shard_grad_op_units_evaluate_the_weights_a_load_names(tmp_path, workflow):
+    """With ``SHARD_GRAD_OP`` no unit reshards after its forward, so after evaluation every unit keeps its gathered
+    weights, not the root alone: ``test(ckpt_path="best")`` after ``fit`` runs the best weights all the same."""
+    worker(tmp_path, *config(tmp_path, "sharded", 0), "--sharding-strategy", "SHARD_GRAD_OP", "--best-first",
+           "--max-epochs", 2, "--then", "test:best")
+    out = tmp_path / "out"
+    _step_ok(out, 1)
+    _evaluated_with(out, "s1-test", tmp_path, 0)  # the run's own record of epoch 0
+
+
 @pytest.mark.skipif(NATIVE, reason="the shim's check after a load")
 @pytest.mark.skipif(torch_release() < (2, 5), reason="torch < 2.5: the shim loads the model through FSDP's own state-dict"
                     " hooks, which write a kept gathered copy and the shards alike")

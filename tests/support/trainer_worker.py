@@ -290,10 +290,14 @@ def make_trainer(args, max_epochs: int):
         checkpoint_kind = {} if args.stock else {"state_dict_type": args.state_dict_type}
         # --wrap root: Lightning's default, no policy, so FSDP wraps the root module alone
         wrapping = {"auto_wrap_policy": ModuleWrapPolicy({nn.Sequential})} if args.wrap == "policy" else {}
+        from torch.distributed.fsdp import ShardingStrategy
+
+        sharding = {"sharding_strategy": ShardingStrategy[args.sharding_strategy]} if args.sharding_strategy else {}
         strategy = FSDPStrategy(
             **checkpoint_kind,
             use_orig_params=bool(args.use_orig_params),
             **wrapping,
+            **sharding,
             **activation_checkpointing(args.activation_checkpointing),
         )
         devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -413,6 +417,7 @@ def main() -> None:
     parser.add_argument("--then", nargs="*", default=[], help="steps after the first call in the same processes, see run_steps")
     parser.add_argument("--async-save", action="store_true", help="Trainer(plugins=[AsyncCheckpointIO()])")
     parser.add_argument("--keep-gathered-copies", action="store_true", help="see faults.keep_gathered_copies")
+    parser.add_argument("--sharding-strategy", default=None, help="FSDP's, by name (SHARD_GRAD_OP, say); default FULL_SHARD")
     parser.add_argument("--fail", default=None,
                         help="POINT:RANK:SAVE, fail the write there (see kill_during_saves); fit's error goes to OUT/error_rank{rank}.txt")
     parser.add_argument("--trace-saves", type=float, default=None,
