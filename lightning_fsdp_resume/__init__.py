@@ -13,7 +13,8 @@ import sys
 from typing import Dict, NamedTuple, Optional, Set, Tuple
 
 from ._patcher import NotOutermostError, Patcher
-from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, Target, decide, installed_version
+from ._patches import PatchTable, tables_for
+from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
 
 __all__ = ["patch", "unpatch", "status", "wait_for_saves", "FlavourStatus", "DISABLE_ENV", "RankStates", "BackgroundSaveError"]
 __version__ = "0.1.0"
@@ -51,16 +52,16 @@ def patch() -> None:
         import wrapt
 
         for flavour in FLAVOURS:
-            for target in flavour.patch_targets:
+            for table in tables_for(flavour.kind):
                 # Runs at once if the module is already imported, else right after its import.
-                wrapt.register_post_import_hook(_hook_for(flavour, target), target.module)
+                wrapt.register_post_import_hook(_hook_for(flavour, table), table.module_in(flavour.package))
         _hooks_registered = True
         return
     for flavour in FLAVOURS:
-        for target in flavour.patch_targets:
-            module = sys.modules.get(target.module)
+        for table in tables_for(flavour.kind):
+            module = sys.modules.get(table.module_in(flavour.package))
             if module is not None:
-                _patch_module(flavour, module, target)
+                _patch_module(flavour, table, module)
 
 
 def unpatch() -> None:
@@ -92,10 +93,11 @@ def _status_of(flavour: Flavour) -> FlavourStatus:
     decision, reason = decide(version)
     if decision != PATCH:
         return FlavourStatus(flavour.package, version, decision, reason)
-    modules = {target.label: target.module for target in flavour.patch_targets}
+    tables = {table.name: table for table in tables_for(flavour.kind)}
+    modules = {name: table.module_in(flavour.package) for name, table in tables.items()}
     classes = {
-        target.label: target.resolve(sys.modules[target.module]) if target.module in sys.modules else None
-        for target in flavour.patch_targets
+        name: tables[name].target_in(sys.modules[module]) if module in sys.modules else None
+        for name, module in modules.items()
     }
     patched = tuple(name for name, cls in classes.items() if cls is not None and _patcher.is_patched(cls))
     waiting = [modules[name] for name, cls in classes.items() if cls is None]
@@ -143,22 +145,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _hook_for(flavour: Flavour, target: Target):
+def _hook_for(flavour: Flavour, table: PatchTable):
     def hook(module) -> None:
         if _wanted:
-            _patch_module(flavour, module, target)
+            _patch_module(flavour, table, module)
 
     return hook
 
 
-def _patch_module(flavour: Flavour, module, target: Optional[Target] = None) -> None:
-    target = target or flavour.patch_targets[0]
+def _patch_module(flavour: Flavour, table: PatchTable, module) -> None:
     version = installed_version(flavour)
     decision, reason = decide(version) if version else (None, "version unknown")
     if decision == PATCH:
-        from ._patches import TABLES
-
-        _patcher.apply(target.resolve(module), TABLES[(flavour.kind, target.label)])
+        _patcher.apply(table.target_in(module), table.rows)
     elif decision != NATIVE and flavour.package not in _refusals_said:
         _refusals_said.add(flavour.package)
         import logging  # only when refusing: logging costs more to import than the shim

@@ -11,46 +11,15 @@ from typing import NamedTuple, Optional, Tuple
 TRAINER, FABRIC = "trainer", "fabric"
 
 
-class Target(NamedTuple):
-    """What one patch table is applied to: a class of a module, or (``name`` empty) the module itself, whose
-    functions are patched where the module binds them."""
-
-    module: str  # e.g. "lightning.pytorch.strategies.fsdp"
-    name: str  # the class, e.g. "FSDPStrategy"; "" for the module itself
-    label: str  # the table's name: the class name, or the module's path below the flavour's package
-
-    def resolve(self, module: object) -> object:
-        """The patched object, given the imported ``module``."""
-        return getattr(module, self.name, None) if self.name else module
-
-
 class Flavour(NamedTuple):
     """One importable Lightning package whose FSDP checkpointing the shim patches: the Trainer's
-    (``FSDPStrategy``) or Fabric's (``FSDPStrategy`` and ``Fabric``)."""
+    (``FSDPStrategy``) or Fabric's (``FSDPStrategy`` and ``Fabric``). What is patched in it, ``_patches`` says
+    by ``kind``."""
 
     package: str  # the import name whose ``strategies.fsdp`` holds FSDPStrategy
     distribution: str  # the name pip knows it by
-    kind: str = TRAINER
+    kind: str = TRAINER  # TRAINER or FABRIC
     also_in: Tuple[str, ...] = ()  # other distributions that ship the package
-
-    @property
-    def strategy_module(self) -> str:
-        return f"{self.package}.strategies.fsdp"
-
-    @property
-    def patch_targets(self) -> Tuple[Target, ...]:
-        """Every class and module the shim patches for this flavour."""
-        strategy = Target(self.strategy_module, "FSDPStrategy", "FSDPStrategy")
-        if self.kind == FABRIC:
-            # cloud_io's checkpoint reader, where it is defined and where the checkpoint IO plugin binds it
-            return (strategy, Target(f"{self.package}.fabric", "Fabric", "Fabric"), self._module("utilities.cloud_io"),
-                    self._module("plugins.io.torch_io"))
-        # where load_from_checkpoint binds that reader; the callback that finds ckpt_path="last"
-        checkpoints = Target(f"{self.package}.callbacks.model_checkpoint", "ModelCheckpoint", "ModelCheckpoint")
-        return (strategy, self._module("core.saving"), checkpoints)
-
-    def _module(self, path: str) -> Target:
-        return Target(f"{self.package}.{path}", "", path)
 
 
 FLAVOURS = (
@@ -109,7 +78,6 @@ def installed_version(flavour: Flavour) -> Optional[str]:
         except metadata.PackageNotFoundError:
             continue
     return None
-
 
 
 def import_installed_flavours() -> None:

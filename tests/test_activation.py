@@ -14,7 +14,7 @@ import pytest
 
 import lightning_fsdp_resume as shim
 from lightning_fsdp_resume import _versions
-from lightning_fsdp_resume._patches import FSDP_STRATEGY_PATCHES, TABLES
+from lightning_fsdp_resume._patches import FSDP_STRATEGY_PATCHES, TABLES, tables_for
 from support.flavours import FLAVOURS, INSTALLED, PATCHABLE, PATCHABLE_TRAINERS, strategy_class
 
 NATIVE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.NATIVE]
@@ -60,6 +60,7 @@ _DISABLED_PROBE = f"""
 _BARE_PROBE = """
         import sys, lightning_fsdp_resume
         print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')))
+        print(sorted(m for m in sys.modules if m.startswith('lightning_fsdp_resume.')))
         """
 
 # Fresh interpreters, each mostly an import of Lightning: started together, read by the tests below.
@@ -92,7 +93,19 @@ def probe():
 
 
 def test_import_imports_neither_torch_nor_lightning(probe):
-    assert probe("bare").strip() == "[]"
+    assert probe("bare").splitlines()[0] == "[]"
+
+
+def test_import_registers_the_tables_without_loading_what_they_put(probe):
+    loaded = ast.literal_eval(probe("bare").splitlines()[1])
+    assert set(loaded) <= {f"lightning_fsdp_resume.{name}" for name in ("_patcher", "_patches", "_versions")}
+
+
+def test_each_kind_of_flavour_has_one_table_per_patched_class_or_module():
+    assert {t.kind for t in TABLES} == {f.kind for f in _versions.FLAVOURS}
+    for kind in (_versions.TRAINER, _versions.FABRIC):
+        tables = tables_for(kind)
+        assert len({t.name for t in tables}) == len({(t.module, t.cls) for t in tables}) == len(tables), tables
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -133,10 +146,9 @@ class TestPatching:
         import importlib
 
         for package in PATCHABLE:
-            flavour = FLAVOURS[package]
-            for target in flavour.patch_targets:
-                cls = target.resolve(importlib.import_module(target.module))
-                for name, entry in TABLES[(flavour.kind, target.label)].items():
+            for table in tables_for(FLAVOURS[package].kind):
+                cls = table.target_in(importlib.import_module(table.module_in(package)))
+                for name, entry in table.rows.items():
                     assert name in vars(cls), (cls, name)
                     if not hasattr(entry, "factory"):
                         assert vars(cls)[name] is entry
@@ -166,7 +178,8 @@ class TestPatching:
     def test_unpatch_restores_every_patched_class_of_every_flavour(self, restore_patch):
         import importlib
 
-        classes = [t.resolve(importlib.import_module(t.module)) for p in PATCHABLE for t in FLAVOURS[p].patch_targets]
+        tables = [(package, table) for package in PATCHABLE for table in tables_for(FLAVOURS[package].kind)]
+        classes = [table.target_in(importlib.import_module(table.module_in(package))) for package, table in tables]
         shim.unpatch()
         pristine = {cls: dict(vars(cls)) for cls in classes}
         shim.patch()
@@ -251,10 +264,10 @@ def test_unsupported_lightning_is_refused_once_with_the_reason(caplog):
     sys.modules["old_lightning"] = package
     try:
         with caplog.at_level(logging.WARNING, logger="lightning_fsdp_resume"):
-            _patch_module(flavour, strategies)
-            _patch_module(flavour, strategies)
+            _patch_module(flavour, FSDP_STRATEGY_PATCHES, strategies)
+            _patch_module(flavour, FSDP_STRATEGY_PATCHES, strategies)
     finally:
         del sys.modules["old_lightning"]
     refusals = [r.getMessage() for r in caplog.records if "old_lightning" in r.getMessage()]
     assert len(refusals) == 1 and "1.9.5 predates the 2.0 FSDPStrategy" in refusals[0]
-    assert not set(FSDP_STRATEGY_PATCHES) & set(vars(strategies.FSDPStrategy))
+    assert not set(FSDP_STRATEGY_PATCHES.rows) & set(vars(strategies.FSDPStrategy))
