@@ -439,13 +439,13 @@ import json, sys, time
 from pathlib import Path
 import torch.distributed.checkpoint
 from peak_rss import PeakRss
-from lightning_fsdp_resume import _consolidate, _verify
-from lightning_fsdp_resume import _torch_compat as compat
-src, dst, options = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
-index = compat.read_shard_index(src)
+from lightning_fsdp_resume import _consolidate, _sharded_reader, _verify
+from lightning_fsdp_resume._storage import open_path
+src, dst, options = open_path(sys.argv[1], "read"), Path(sys.argv[2]), json.loads(sys.argv[3])
+index = src.read_index()
 sizes = {key: entry.size.numel() * entry.properties.dtype.itemsize
          for key, entry in index.state_dict_metadata.items() if hasattr(entry, "properties")}
-selected = _consolidate._select_weights(src, index, _verify.read_meta(src), None)
+selected = _sharded_reader.select_weights(src, index, _verify.read_meta(src), None)
 weights = [sizes[key] for keys in selected.keys.values() for key in keys if key in sizes]
 read_whole = options.pop("read_whole", False)
 if read_whole:

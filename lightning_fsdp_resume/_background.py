@@ -7,11 +7,10 @@ every rank learns the same outcome, which the next save, any load, teardown or `
 Nothing here knows about patching or about the Trainer or Fabric.
 """
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
-from . import _remote
 from . import _torch_compat as compat
-from ._ranks import everyone
+from ._ranks import describe, failures
 
 _PENDING = "_lightning_fsdp_resume_pending_save"  # on the strategy: this rank's save in the background
 _GROUP = "_lightning_fsdp_resume_save_group"  # on the strategy: the background threads' process group
@@ -44,13 +43,13 @@ def start(strategy: Any, path: Any, write: Callable[[], Any], publish: Callable[
     def run() -> None:
         error = _attempt(write)
         try:
-            failure = next((failure for failure in everyone(_cause(error, rank), group) if failure is not None), None)
-            if failure is None:
+            failure = _first(failures(error, group))
+            if failure is None:  # every rank's part is written: rank 0 publishes, and every rank learns how it went
                 if rank == 0:
                     error = _attempt(publish)
-                failure = _from_rank_zero(_cause(error, rank), group)
+                failure = _first(failures(error, group))
         except Exception as lost:  # a rank gone mid-agreement: this one cannot know, so it reports a failure
-            error, failure = lost, _cause(lost, rank)
+            error, failure = lost, _first({rank: lost})
         with pending.lock:
             pending.failure, pending.error, pending.finished = failure, error, True
             after = pending.after if failure is None else []
@@ -103,11 +102,13 @@ def process_group(strategy: Any) -> Any:
     return group
 
 
-def _cause(error: Optional[BaseException], rank: int) -> Optional[str]:
-    """What every rank says of ``error`` (raised on ``rank``); torch's own errors name the rank that failed."""
-    if error is None:
+def _first(found: Dict[int, BaseException]) -> Optional[str]:
+    """What every rank says of the failures ``found`` (by rank): the first; torch's own errors name the rank that
+    failed."""
+    if not found:
         return None
-    cause = _remote.describe_failure(error)
+    rank, error = min(found.items(), key=lambda item: item[0])
+    cause = describe(error)
     return cause if "(on rank " in cause else f"{cause} (on rank {rank})"
 
 
@@ -121,11 +122,48 @@ def _attempt(action: Callable[[], Any]) -> Optional[BaseException]:
     return None
 
 
-def _from_rank_zero(obj: Any, group: Any) -> Any:
-    if group is None:
-        return obj
-    import torch.distributed as dist
+# --- the copy a save in the background writes ---------------------------------------------------
 
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0, group=group)
-    return holder[0]
+
+def host_copy(obj: Any, live: Optional[Set[int]] = None) -> Any:
+    """``obj`` as it is now, for a save that writes it while training goes on: its accelerator tensors copied into
+    host memory, its other leaves deep-copied. ``live``: the storages (``storages``) training changes; host tensors
+    elsewhere are FSDP's own copies, which nothing changes, and are kept as they are (None: every one is copied)."""
+    import copy
+
+    import torch
+
+    if isinstance(obj, dict):
+        return type(obj)((key, host_copy(value, live)) for key, value in obj.items())
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(host_copy(value, live) for value in obj)
+    if type(obj).__name__ == "ShardedTensor":
+        return _sharded_host_copy(obj, live)
+    if isinstance(obj, torch.Tensor):
+        return _host_tensor(obj, live)
+    return copy.deepcopy(obj)
+
+
+def storages(tensors: Iterable[Any]) -> Set[int]:
+    """Where ``tensors`` keep their data, for ``host_copy``'s ``live``."""
+    return {tensor.untyped_storage().data_ptr() for tensor in tensors}
+
+
+def _host_tensor(tensor: Any, live: Optional[Set[int]]) -> Any:
+    if tensor.device.type != "cpu" or live is None or tensor.untyped_storage().data_ptr() in live:
+        return tensor.detach().to("cpu", copy=True)
+    return tensor
+
+
+def _sharded_host_copy(tensor: Any, live: Optional[Set[int]]) -> Any:
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = tensor.local_shards()
+    if any(shard.tensor.device.type != "cpu" for shard in shards):
+        return tensor.cpu()  # a copy, its shards' placements moved to the CPU with them
+    copies = [Shard(_host_tensor(shard.tensor, live), shard.metadata) for shard in shards]
+    if all(copy.tensor is shard.tensor for copy, shard in zip(copies, shards)):
+        return tensor
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        copies, tensor.metadata(), process_group=tensor._process_group
+    )

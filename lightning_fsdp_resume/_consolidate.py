@@ -1,15 +1,8 @@
-"""Consolidate a sharded checkpoint directory into one full checkpoint file, in one process.
+"""Consolidate a sharded checkpoint directory into one full checkpoint file, in one process: a client of
+``_sharded_reader``, which reads it whole; this writes what it read.
 
-The result is what a full save of the same run writes. A Trainer's checkpoint becomes the Lightning
-checkpoint of ``meta.pt`` with the weights under ``state_dict`` and ``optimizer_states`` in standard
-PyTorch format (parameters numbered by integer id). A Fabric one becomes Fabric's full file: each module
-entry its full state dict, each optimizer entry its FSDP state keyed by parameter name, and every entry of
-``meta.pt``. Which of the two it is, ``_format.sharded_checkpoint_writer`` decides. No process group, no
-model and no Lightning are needed.
-
-Memory: every tensor of the checkpoint is allocated once, empty, at its full size, and the shards are
-read straight into it by ``torch.distributed.checkpoint``; that one copy is then written out. The
-parameter numbering comes from the checkpoint alone: see ``_standard_optimizer_state``.
+The result is what a full save of the same run writes (``_sharded_reader.read_full_checkpoint``). No process
+group, no model and no Lightning are needed. Memory: the one copy the reader allocates is written out.
 
 Weights only (``weights_only``, ``dtype``): the model's tensors alone are read, optionally cast. In the
 safetensors format they are read, cast and written one at a time (``_safetensors``), so memory stays near
@@ -17,12 +10,10 @@ the largest tensor.
 """
 import math
 import sys
-from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
-from . import _format, _remote, _safetensors, _saving, _verify
-from . import _torch_compat as compat
-from ._remote import AnyPath
+from . import _format, _safetensors, _sharded_reader, _storage, _verify
+from ._storage import Location
 
 # Output formats: torch's checkpoint file (what a full save writes), or a safetensors file of the weights.
 TORCH, SAFETENSORS = "torch", "safetensors"
@@ -40,19 +31,10 @@ TRAINER_WEIGHTS_ONLY_KEYS = (
 )
 
 
-class Summary(NamedTuple):
-    """What one consolidation wrote."""
-
-    writer: str  # _format.TRAINER or _format.FABRIC: whose sharded checkpoint it was, so the file's format
-    weights: Dict[str, int]  # the file's entries holding weights ("state_dict" for the Trainer's) -> how many
-    optimizers: Tuple[str, ...]  # the file's optimizer states: "optimizer_states[i]", or Fabric's entries
-    tensor_bytes: int  # bytes of tensor data read from the shards
-
-
 def consolidate(
     src: Any, dst: Any, overwrite: bool = False, progress: bool = True, *, weights_only: bool = False,
     dtype: Optional[str] = None, format: str = TORCH, module: Optional[str] = None,
-) -> Summary:
+) -> _sharded_reader.Summary:
     """Write the full checkpoint of the sharded checkpoint directory ``src`` to the file ``dst``.
 
     ``weights_only``: the model's weights without optimizer state or training metadata (see
@@ -62,45 +44,31 @@ def consolidate(
     ``module``: the Fabric module entry to write, for weights-only output.
 
     ``src`` is only read. ``dst`` appears complete or not at all: it is written to a temporary file
-    beside it, then renamed (at a URL: copied in one step). Either may be a URL (``_remote``).
+    beside it, then renamed (at a URL: copied in one step). Either may be a URL (``_storage``).
     """
-    src, dst = _remote.resolve(_remote.location(src, "read")), _remote.location(dst, "write")
+    src, dst = _storage.open_path(src, "read").resolve(), _storage.open_path(dst, "write")
     _check_options(weights_only, dtype, format, module)
     _check_destination(src, dst, overwrite)
-    _check_torch()
+    _sharded_reader.check_torch()
     _check_source(src)
     if format == SAFETENSORS:
         return _write_safetensors(src, dst, dtype, module, progress)
     if weights_only:
         checkpoint, summary = _read_weights(src, dtype, module, progress)
     else:
-        checkpoint, summary = read_full_checkpoint(src, progress)
+        checkpoint, summary = _sharded_reader.read_full_checkpoint(src, progress)
     _say_writing(dst, progress)
     write_atomically(checkpoint, dst)
     return summary
 
 
-def read_full_checkpoint(src: AnyPath, progress: bool = False) -> Tuple[Dict[str, Any], Summary]:
-    """The full checkpoint held by the sharded directory ``src``, in its writer's full format, and what it holds."""
-    metadata = compat.read_shard_index(src)
-    flat, tensor_bytes = _read_flat(src, metadata, progress)
-    stored = _nest(flat, metadata, src)
-    meta = _verify.read_meta(src)
-    writer = _format.sharded_checkpoint_writer(stored, meta)
-    if writer == _format.TRAINER:
-        entries, weights, optimizers = _trainer_entries(stored)
-    else:
-        entries, weights, optimizers = _fabric_entries(stored, metadata.planner_data)
-    return {**meta, **entries}, Summary(writer, weights, optimizers, tensor_bytes)
-
-
-def _read_weights(src: AnyPath, dtype: Optional[str], module: Optional[str], progress: bool) -> Tuple[Dict[str, Any], Summary]:
+def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> Tuple[Dict[str, Any], _sharded_reader.Summary]:
     """The weights-only checkpoint of ``src``, reading the model's tensors alone."""
-    metadata = compat.read_shard_index(src)
+    metadata = src.read_index()
     meta = _verify.read_meta(src)
-    selected = _select_weights(src, metadata, meta, module)
-    flat, tensor_bytes = _read_flat(src, metadata, progress, [key for keys in selected.keys.values() for key in keys])
-    entries = _nest(flat, metadata, src)
+    selected = _sharded_reader.select_weights(src, metadata, meta, module)
+    flat, tensor_bytes = _sharded_reader.read_flat(src, metadata, progress, [key for keys in selected.keys.values() for key in keys])
+    entries = _sharded_reader.nest(flat, metadata, src)
     cast = _torch_dtype(dtype)
     for state in entries.values():
         for name in state:
@@ -110,53 +78,7 @@ def _read_weights(src: AnyPath, dtype: Optional[str], module: Optional[str], pro
         checkpoint = {**kept, "state_dict": entries.get(_format.MODEL_KEY, {})}
     else:
         checkpoint = {entry: entries.get(entry, {}) for entry in selected.keys}
-    return checkpoint, Summary(selected.writer, selected.counts(), (), tensor_bytes)
-
-
-class _Weights(NamedTuple):
-    """The weights a weights-only output holds: per output entry, the stored keys of its tensors."""
-
-    writer: str
-    keys: Dict[str, List[str]]  # "state_dict" (the Trainer's) or a Fabric module's key -> keys of .metadata, saved order
-    paths: Dict[str, Sequence[Any]]  # each stored key's nested path: (entry, parameter name) for a module's tensor
-
-    def counts(self) -> Dict[str, int]:
-        return {entry: len(keys) for entry, keys in self.keys.items()}
-
-
-def _select_weights(src: AnyPath, metadata: Any, meta: Dict[str, Any], module: Optional[str]) -> _Weights:
-    """Which stored keys are the model's weights: the Trainer's ``model`` entry; Fabric's module entries, or
-    the one named ``module``."""
-    paths = _planner_paths(metadata, src)
-    by_entry: Dict[str, List[str]] = {}
-    for key in metadata.state_dict_metadata:  # the saved order: each module's keys in state_dict order
-        by_entry.setdefault(paths[key][0], []).append(key)
-    writer = _format.sharded_checkpoint_writer(by_entry, meta)
-    if writer == _format.TRAINER:
-        if module is not None:
-            raise ValueError(
-                f"--module {module!r} picks a module of a Fabric checkpoint, but {str(src)!r} is the Trainer's, whose"
-                " weights are its one state_dict. Drop --module."
-            )
-        return _Weights(writer, {"state_dict": by_entry.get(_format.MODEL_KEY, [])}, paths)
-    modules = [
-        entry for entry in by_entry
-        if not _format.is_optimizer_entry(paths[key] for key in by_entry[entry])
-    ]
-    if module is not None:
-        if module not in modules:
-            raise ValueError(
-                f"--module {module!r}: the Fabric checkpoint {str(src)!r} has no such module entry; its modules are"
-                f" {_names(modules)}. Pass one of them."
-            )
-        modules = [module]
-    if not modules:
-        raise ValueError(f"The Fabric checkpoint {str(src)!r} holds no module weights, only optimizer states.")
-    return _Weights(writer, {entry: by_entry[entry] for entry in modules}, paths)
-
-
-def _names(names: Sequence[str]) -> str:
-    return ", ".join(map(repr, names)) or "none"
+    return checkpoint, _sharded_reader.Summary(selected.writer, selected.counts(), (), tensor_bytes)
 
 
 def _torch_dtype(dtype: Optional[str]) -> Any:
@@ -174,153 +96,18 @@ def _cast(value: Any, dtype: Any) -> Any:
     return value
 
 
-def _trainer_entries(stored: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, int], Tuple[str, ...]]:
-    """``state_dict`` and, unless the save was weights-only, ``optimizer_states`` (id-keyed)."""
-    model_state = stored.get(_format.MODEL_KEY, {})
-    entries: Dict[str, Any] = {"state_dict": model_state}
-    modules = _format.modules_in_state_dict_order(model_state)
-    count = _format.count_saved_optimizers(stored)
-    if count:  # none: a weights-only save, which has no "optimizer_states" either
-        entries["optimizer_states"] = [
-            _standard_optimizer_state(stored[_format.optimizer_key(index)], modules) for index in range(count)
-        ]
-    return entries, {"state_dict": len(model_state)}, tuple(f"optimizer_states[{index}]" for index in range(count))
-
-
-def _fabric_entries(
-    stored: Dict[str, Any], paths: Dict[str, Sequence[Any]]
-) -> Tuple[Dict[str, Any], Dict[str, int], Tuple[str, ...]]:
-    """Every stored entry under its own key: a module's full state dict, an optimizer's name-keyed FSDP state
-    (what native Fabric's full save writes, ``FSDP.optim_state_dict`` under a full state-dict context)."""
-    optimizers = {key for key in stored if _format.is_optimizer_entry(p for p in paths.values() if p[0] == key)}
-    entries = {key: _with_state(value) if key in optimizers else value for key, value in stored.items()}
-    weights = {key: len(value) for key, value in entries.items() if key not in optimizers}
-    return entries, weights, tuple(key for key in stored if key in optimizers)
-
-
-def _standard_optimizer_state(state: Dict[str, Any], modules: Sequence[str]) -> Dict[str, Any]:
-    """A name-keyed FSDP optimizer state in PyTorch's id-keyed format.
-
-    Ids number each group's parameters in the module's registration order, which a plain
-    ``optimizer(module.parameters())`` uses and our full save writes. With ``use_orig_params=False``
-    the stored group lists the parameters in flat-parameter order, so the order is not taken from it;
-    the module's order is recovered from the model's keys (see ``modules_in_state_dict_order``).
-    """
-    state = _with_state(state)
-    names_by_group = [_format.in_module_order(group["params"], modules) for group in state["param_groups"]]
-    return _format.names_to_ids(state, names_by_group)
-
-
-def _with_state(state: Dict[str, Any]) -> Dict[str, Any]:
-    """An optimizer that never stepped has no stored ``state``; its state dict has an empty one."""
-    return {"state": {}, **state}
-
-
-# --- reading the shards ----------------------------------------------------------------------------
-
-
-def _read_flat(src: AnyPath, metadata: Any, progress: bool, keys: Optional[Sequence[str]] = None):
-    """Every stored key (or those of ``keys``), as ``.metadata`` names it, read into tensors allocated once
-    at full size."""
-    import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    tensors: Dict[str, Any] = {}
-    objects: Dict[str, Any] = {}
-    for key in metadata.state_dict_metadata if keys is None else keys:
-        stored = metadata.state_dict_metadata[key]
-        if isinstance(stored, TensorStorageMetadata):
-            tensors[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
-        else:
-            objects[key] = None  # a pickled object: read whole
-    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    bar = Progress(total, f"reading {str(src)!r}", enabled=progress)
-    planner = _planner(objects, bar.advance)
-    try:
-        compat.read_distributed_in_one_process({**tensors, **objects}, src, planner)
-    finally:
-        bar.close()
-    return {**tensors, **objects}, total
-
-
-def _planner(objects: Dict[str, Any], advance: Callable[[int], None]) -> Any:
-    """A load planner for a flat state dict: pickled objects land in ``objects``, tensors report progress."""
-    import torch
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    class FlatLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:
-            # Kept apart: dcp.load writes its own copy of the state dict's values back at the end.
-            objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
-
-        def commit_tensor(self, read_item: Any, tensor: Any) -> None:
-            advance(tensor.numel() * tensor.element_size())
-
-    return FlatLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-
-def _nest(flat: Dict[str, Any], metadata: Any, src: AnyPath) -> Dict[str, Any]:
-    """Rebuild the saved nesting (``{"model": {...}, "optimizer_0": {...}}``) from the flat keys.
-
-    The saver recorded each flat key's path (``("optimizer_0", "state", "body.0.weight", "exp_avg")``)
-    in ``planner_data``: parameter names contain dots, so the keys alone are ambiguous.
-    """
-    paths = _planner_paths(metadata, src)
-    root: Dict[str, Any] = {}
-    for key in [key for key in metadata.state_dict_metadata if key in flat]:  # the saved order: state_dict order
-        _put_at(root, paths[key], flat.pop(key))
-    return root
-
-
-def _planner_paths(metadata: Any, src: AnyPath) -> Dict[str, Sequence[Any]]:
-    """Each stored key's nested path, which a sharded save records; refused where it is missing."""
-    paths = metadata.planner_data
-    if not isinstance(paths, dict) or any(key not in paths for key in metadata.state_dict_metadata):
-        raise ValueError(
-            f"The sharded checkpoint {str(src)!r} does not record how its keys nest (its"
-            f" {_format.DCP_METADATA_FILENAME!r} has no planner_data for them), so it was not written by"
-            " FSDPStrategy(state_dict_type='sharded'). Only Lightning's and this package's sharded checkpoints"
-            " can be consolidated."
-        )
-    return paths
-
-
-def _put_at(root: Dict[str, Any], path: Sequence[Any], value: Any) -> None:
-    """``root[path[0]][path[1]]... = value``, making dicts (str steps) and lists (int steps) on the way."""
-    node: Any = root
-    for step, following in zip(path, path[1:]):
-        child = _get(node, step)
-        if child is None:
-            child = [] if isinstance(following, int) else {}
-            _set(node, step, child)
-        node = child
-    _set(node, path[-1], value)
-
-
-def _get(node: Any, step: Any) -> Any:
-    if isinstance(node, list):
-        return node[step] if step < len(node) else None
-    return node.get(step)
-
-
-def _set(node: Any, step: Any, value: Any) -> None:
-    if isinstance(node, list):
-        node.extend([None] * (step + 1 - len(node)))
-    node[step] = value
-
-
 # --- safetensors: one tensor at a time -------------------------------------------------------------
 
 
-def _write_safetensors(src: AnyPath, dst: AnyPath, dtype: Optional[str], module: Optional[str], progress: bool) -> Summary:
+def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> _sharded_reader.Summary:
     """One module's weights as a safetensors file: the header from the shard index, then each tensor read
     from the shards, cast and written before the next is read."""
-    metadata = compat.read_shard_index(src)
+    metadata = src.read_index()
     meta = _verify.read_meta(src)
-    selected = _select_weights(src, metadata, meta, module)
+    selected = _sharded_reader.select_weights(src, metadata, meta, module)
     if len(selected.keys) > 1:
         raise ValueError(
-            f"The Fabric checkpoint {str(src)!r} holds several modules ({_names(list(selected.keys))}); a safetensors"
+            f"The Fabric checkpoint {str(src)!r} holds several modules ({_sharded_reader.quoted_names(list(selected.keys))}); a safetensors"
             " file holds one module's weights under its own key names. Pass --module NAME, once per module."
         )
     [(entry, stored_keys)] = selected.keys.items()
@@ -331,15 +118,15 @@ def _write_safetensors(src: AnyPath, dst: AnyPath, dtype: Optional[str], module:
     keys = sorted(stored_keys, key=lambda key: -_written_dtype(metadata.state_dict_metadata[key], cast).itemsize)
     specs = [found[key] for key in keys]
     stored_bytes = sum(_stored_bytes(metadata.state_dict_metadata[key]) for key in keys)
-    bar = Progress(stored_bytes, f"reading {str(src)!r}", enabled=progress)
+    bar = _sharded_reader.Progress(stored_bytes, f"reading {str(src)!r}", enabled=progress)
 
     def chunks() -> Iterator[memoryview]:
         for key in keys:
-            tensor = _cast(_read_tensor(src, key, metadata.state_dict_metadata[key], bar.advance), cast).contiguous()
+            tensor = _cast(_sharded_reader.read_tensor(src, key, metadata.state_dict_metadata[key], bar.advance), cast).contiguous()
             yield _memory_of(tensor)
             del tensor  # freed before the next one is read
 
-    def write(partial: AnyPath) -> None:
+    def write(partial: Location) -> None:
         with partial.open("wb") as handle:
             _safetensors.write(handle, specs, _safetensors_metadata(selected.writer, entry, meta), chunks())
 
@@ -348,10 +135,10 @@ def _write_safetensors(src: AnyPath, dst: AnyPath, dtype: Optional[str], module:
         _write_atomically(dst, write)
     finally:
         bar.close()
-    return Summary(selected.writer, selected.counts(), (), stored_bytes)
+    return _sharded_reader.Summary(selected.writer, selected.counts(), (), stored_bytes)
 
 
-def _tensor_spec(src: AnyPath, key: str, path: Sequence[Any], stored: Any, cast: Any) -> _safetensors.TensorSpec:
+def _tensor_spec(src: Location, key: str, path: Sequence[Any], stored: Any, cast: Any) -> _safetensors.TensorSpec:
     """The header entry of one stored weight; refuses what a safetensors file cannot hold."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -388,16 +175,6 @@ def _safetensors_metadata(writer: str, entry: str, meta: Dict[str, Any]) -> Dict
     return found
 
 
-def _read_tensor(src: AnyPath, key: str, stored: Any, advance: Callable[[int], None]) -> Any:
-    """The stored tensor ``key`` alone, read from its shards into one tensor of its full size."""
-    import torch
-
-    tensor = torch.empty(stored.size, dtype=stored.properties.dtype)
-    if tensor.numel():
-        compat.read_distributed_in_one_process({key: tensor}, src, _planner({}, advance))
-    return tensor
-
-
 def _memory_of(tensor: Any) -> memoryview:
     """The bytes of a contiguous tensor in memory order, without a copy (no numpy needed); valid while the
     tensor lives."""
@@ -420,9 +197,9 @@ def _stored_bytes(stored: Any) -> int:
 def _check_options(weights_only: bool, dtype: Optional[str], format: str, module: Optional[str]) -> None:
     """Settings that contradict each other are refused before anything is read."""
     if format not in FORMATS:
-        raise ValueError(f"Unknown output format {format!r} (--format): choose {_names(FORMATS)}.")
+        raise ValueError(f"Unknown output format {format!r} (--format): choose {_sharded_reader.quoted_names(FORMATS)}.")
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r} (--dtype): choose {_names(list(DTYPES))}.")
+        raise ValueError(f"Unknown dtype {dtype!r} (--dtype): choose {_sharded_reader.quoted_names(list(DTYPES))}.")
     weights = weights_only or format == SAFETENSORS
     if dtype is not None and not weights:
         raise ValueError(
@@ -435,18 +212,7 @@ def _check_options(weights_only: bool, dtype: Optional[str], format: str, module
         )
 
 
-def _check_torch() -> None:
-    release = compat.torch_release()
-    if release < compat.CONSOLIDATE_MIN:
-        needed = ".".join(map(str, compat.CONSOLIDATE_MIN))
-        raise NotImplementedError(
-            f"Consolidating a sharded checkpoint needs torch >= {needed}; this is torch"
-            f" {'.'.join(map(str, release))}. Install torch>={needed} in any environment (the training one is not"
-            " needed) and run the command there."
-        )
-
-
-def _check_source(src: AnyPath) -> None:
+def _check_source(src: Location) -> None:
     """Missing, incomplete or damaged sharded checkpoints are refused by the checks a load makes."""
     if _verify.checkpoint_kind(src) == _verify.FULL:
         raise ValueError(
@@ -455,10 +221,10 @@ def _check_source(src: AnyPath) -> None:
         )
 
 
-def _check_destination(src: AnyPath, dst: AnyPath, overwrite: bool) -> None:
+def _check_destination(src: Location, dst: Location, overwrite: bool) -> None:
     if dst.is_dir():
         raise IsADirectoryError(f"The destination {str(dst)!r} is a directory; a full checkpoint is one file. Name a file.")
-    if isinstance(src, Path) and isinstance(dst, Path) and src.resolve() in dst.resolve().parents:
+    if src.contains(dst):
         raise ValueError(
             f"The destination {str(dst)!r} lies inside the sharded checkpoint {str(src)!r}, which consolidation"
             " never modifies. Write the file elsewhere."
@@ -469,53 +235,19 @@ def _check_destination(src: AnyPath, dst: AnyPath, overwrite: bool) -> None:
         )
 
 
-def write_atomically(checkpoint: Dict[str, Any], dst: AnyPath) -> None:
+def write_atomically(checkpoint: Dict[str, Any], dst: Location) -> None:
     """``torch.save`` into a hidden sibling of ``dst``, flushed to the disk, then renamed over ``dst``."""
-    _write_atomically(dst, lambda partial: compat.save_file(checkpoint, partial))
+    _write_atomically(dst, lambda partial: partial.save(checkpoint))
 
 
-def _write_atomically(dst: AnyPath, write: Callable[[AnyPath], None]) -> None:
+def _write_atomically(dst: Location, write: Callable[[Location], None]) -> None:
     """``write`` a hidden sibling of ``dst``, flushed to the disk, then renamed over ``dst``; on failure, nothing is left."""
     import secrets
 
-    _saving.write_file(dst, _saving.partial_path(dst, secrets.token_hex(8)), write)
+    dst.write_file(dst.partial(secrets.token_hex(8)), write)
 
 
-def _say_writing(dst: AnyPath, progress: bool) -> None:
+def _say_writing(dst: Location, progress: bool) -> None:
     if progress:
         print(f"consolidate: writing {str(dst)!r}", file=sys.stderr, flush=True)
 
-
-class Progress:
-    """Bytes done of ``total``: a tqdm bar where tqdm is installed, else a line on stderr every 10%."""
-
-    def __init__(self, total: int, what: str, enabled: bool = True) -> None:
-        self.total, self.what, self.enabled = total, what, enabled
-        self.done, self._said = 0, -1
-        self._bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                self._say()
-            else:
-                self._bar = tqdm(total=total, desc=f"consolidate: {what}", unit="B", unit_scale=True, file=sys.stderr)
-
-    def advance(self, count: int) -> None:
-        self.done += count
-        if self._bar is not None:
-            self._bar.update(count)
-        elif self.enabled:
-            self._say()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-    def _say(self) -> None:
-        percent = 100 if not self.total else self.done * 100 // self.total
-        if percent // 10 > self._said:  # once per tenth crossed
-            self._said = percent // 10
-            mib = 2**20
-            print(f"consolidate: {self.what}: {percent}% ({self.done / mib:.1f} of {self.total / mib:.1f} MiB)",
-                  file=sys.stderr, flush=True)

@@ -14,9 +14,9 @@ import importlib
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from . import _format, _loading, _reader, _remote, _saving, _signature, _verify
+from . import _format, _loading, _reader, _saving, _signature, _storage, _verify
 from . import _torch_compat as compat
-from ._remote import AnyPath
+from ._storage import Location
 
 # Native Fabric 2.1 refuses FSDP checkpoints on torch < 2.0 at save and load, not in __init__.
 OLD_TORCH_ERROR = "Saving and loading checkpoints with the `FSDPStrategy` is not supported in PyTorch < 2.0. Please upgrade `torch`."
@@ -42,7 +42,7 @@ def save_checkpoint(
     from torch.optim import Optimizer
 
     _refuse_old_torch()
-    _remote.location(path, "save")  # before the state is checked: a URL no fsspec implementation serves is refused first
+    _storage.open_path(path, "save")  # before the state is checked: a URL no fsspec implementation serves is refused first
     _saving.refuse_storage_options(storage_options)
     full = _saving.is_full(self)
     if filter is not None and not full:
@@ -65,7 +65,7 @@ def save_checkpoint(
     background = _saving.in_background(self, asked=getattr(self, "_async_save", False))
     if full:
         # Rank 0 alone holds the gathered entries; only it writes.
-        _saving.write_full(self, path, {**stored, **metadata}, compat.save_file, background)
+        _saving.write_full(self, path, {**stored, **metadata}, _saving.save_torch_file, background)
     else:
         if module_key in stored:
             stored[module_key] = _saving.with_rank_zeros_buffers(self, stored[module_key])
@@ -85,7 +85,7 @@ def load_checkpoint(
     from torch.optim import Optimizer
 
     _refuse_old_torch()
-    _remote.location(path, "load")
+    _storage.open_path(path, "load")
     if not state:
         raise ValueError(
             f"Got FSDPStrategy.load_checkpoint(..., state={state!r}) but a state with at least  a model instance to"
@@ -105,25 +105,9 @@ def load_checkpoint(
     module_keys = [key for key, obj in state.items() if isinstance(obj, Module) and key != module_key]
     other_keys = [key for key in state if key != module_key and key not in optimizer_keys + module_keys]
     requested = optimizer_keys + module_keys + other_keys
-    check = functools.partial(_checked, module_key=module_key, requested=requested, strict=strict)
-
-    def plan(path: AnyPath, saved_optimizers: int, entries: Set[str]) -> _loading.Restore:
-        return _loading.Restore(
-            module=module,
-            prefix="",  # Fabric wraps the FSDP module from outside: its names are the user's
-            module_key=module_key,
-            optimizers={key: state[key] for key in optimizer_keys if key in entries},
-            strict=strict,
-            use_orig_params=bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False)),
-            leniency=_verify.FABRIC_LENIENCY,
-            modules={key: state[key] for key in module_keys if key in entries},
-            optimizers_without_weights=not strict,
-        )
-
-    def take(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-        return {key: checkpoint.pop(key) for key in [module_key, *optimizer_keys, *module_keys] if key in checkpoint}
-
-    remainder = _loading.load(self, path, check, plan, take, weights_only=bool(weights_only))
+    use_orig_params = bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False))
+    request = _FabricLoad(state, module_key, module, optimizer_keys, module_keys, requested, strict, use_orig_params, bool(weights_only))
+    remainder = _loading.load(self, path, request)
     for key in other_keys:
         if key in remainder:
             _put(state, key, remainder.pop(key))
@@ -132,53 +116,88 @@ def load_checkpoint(
 
 def _load_raw_module(self: Any, path: Any, module: Any, strict: bool, weights_only: bool) -> None:
     """``Fabric.load_raw(path, module)``: a file holding the module's state dict, loaded into its shards."""
+    _loading.load(self, path, _RawLoad(module, strict, weights_only))
 
-    def plan(path: AnyPath, saved_optimizers: int, _: Any) -> _loading.Restore:
+
+class _RawLoad(_loading.Request):
+    """``load_raw``: one file of a module's state dict."""
+
+    def __init__(self, module: Any, strict: bool, weights_only: bool) -> None:
+        super().__init__(weights_only)
+        self.module, self.strict = module, strict
+
+    def check(self, path: Location) -> Tuple[_format.StateDictType, None]:
+        refusal = "Failed to load checkpoint directly into the model. The given path must be a single file containing the full state dict"
+        try:
+            kind, _ = super().check(path)
+        except _verify.MissingCheckpointError as missing:
+            raise _verify.MissingCheckpointError(f"{refusal}: {path}. It does not exist.") from missing
+        if kind != _format.FULL:
+            raise ValueError(
+                f"{refusal}: {path}. It is a sharded checkpoint directory: load it with `fabric.load(path, {{'model': model}})`"
+                " instead."
+            )
+        return kind, None
+
+    def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> _loading.Restore:
         return _loading.Restore(
-            module=module, prefix="", module_key="", optimizers={}, strict=strict, use_orig_params=False,
+            module=self.module, prefix="", module_key="", optimizers={}, strict=self.strict, use_orig_params=False,
             leniency=_verify.FABRIC_LENIENCY,
         )
 
-    _loading.load(self, path, _checked_raw, plan, lambda checkpoint: {"": checkpoint}, weights_only=weights_only)
+    def take(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        return {"": checkpoint}
 
 
-def _checked_raw(path: AnyPath, weights_only: bool) -> Tuple[_format.StateDictType, None]:
-    """Rank 0: ``load_raw`` takes one file of a module's state dict."""
-    refusal = "Failed to load checkpoint directly into the model. The given path must be a single file containing the full state dict"
-    try:
-        kind, _ = _loading.checked_kind(path, weights_only)
-    except _verify.MissingCheckpointError as missing:
-        raise _verify.MissingCheckpointError(f"{refusal}: {path}. It does not exist.") from missing
-    if kind != _format.FULL:
-        raise ValueError(
-            f"{refusal}: {path}. It is a sharded checkpoint directory: load it with `fabric.load(path, {{'model': model}})`"
-            " instead."
-        )
-    return kind, None
+class _FabricLoad(_loading.Request):
+    """``fabric.load(path, state)``: the FSDP module under ``module_key``, the optimizers and the modules without FSDP
+    units beside it, each under its key; rank 0 checks that the checkpoint holds what ``state`` asks for."""
 
+    def __init__(self, state: Mapping[str, Any], module_key: str, module: Any, optimizer_keys: List[str], module_keys: List[str],
+                 requested: List[str], strict: bool, use_orig_params: bool, weights_only: bool) -> None:
+        super().__init__(weights_only)
+        self.state, self.module_key, self.module, self.strict = state, module_key, module, strict
+        self.use_orig_params = use_orig_params
+        self.optimizer_keys, self.module_keys, self.requested = optimizer_keys, module_keys, requested
 
-def _checked(
-    path: AnyPath, weights_only: bool, module_key: str, requested: List[str], strict: bool,
-) -> Tuple[_format.StateDictType, Set[str]]:
-    """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
-    kind = _verify.checkpoint_kind(path, weights_only)
-    entries = _verify.checkpoint_entries(path, kind, weights_only)
-    missing = [key for key in [module_key, *requested] if key not in entries]
-    if module_key in missing or (strict and missing):
-        advice = (
-            "To disable strict loading, set `strict=False`." if strict
-            else f"The FSDP model's entry is needed even with `strict=False`: load a checkpoint that holds {module_key!r}."
+    def check(self, path: Location) -> Tuple[_format.StateDictType, Set[str]]:
+        """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
+        kind, _ = super().check(path)
+        entries = _verify.checkpoint_entries(path, kind, self.weights_only)
+        module_key = self.module_key
+        missing = [key for key in [module_key, *self.requested] if key not in entries]
+        if module_key in missing or (self.strict and missing):
+            advice = (
+                "To disable strict loading, set `strict=False`." if self.strict
+                else f"The FSDP model's entry is needed even with `strict=False`: load a checkpoint that holds {module_key!r}."
+            )
+            raise KeyError(
+                f"The requested state contains a key '{missing[0]}' that does not exist in the loaded checkpoint."
+                f" {advice} (Checkpoint: {str(path)!r}, which holds {', '.join(sorted(entries))}.)"
+            )
+        if missing:  # strict=False: said once, on rank 0; an optimizer left as it is resumes from a fresh state
+            warnings.warn(
+                f"fabric.load(strict=False): the checkpoint {str(path)!r} holds no {', '.join(map(repr, missing))}; left as"
+                f" {'it is' if len(missing) == 1 else 'they are'}."
+            )
+        return kind, entries
+
+    def plan(self, path: Location, saved_optimizers: int, entries: Set[str]) -> _loading.Restore:
+        return _loading.Restore(
+            module=self.module,
+            prefix="",  # Fabric wraps the FSDP module from outside: its names are the user's
+            module_key=self.module_key,
+            optimizers={key: self.state[key] for key in self.optimizer_keys if key in entries},
+            strict=self.strict,
+            use_orig_params=self.use_orig_params,
+            leniency=_verify.FABRIC_LENIENCY,
+            modules={key: self.state[key] for key in self.module_keys if key in entries},
+            optimizers_without_weights=not self.strict,
         )
-        raise KeyError(
-            f"The requested state contains a key '{missing[0]}' that does not exist in the loaded checkpoint."
-            f" {advice} (Checkpoint: {str(path)!r}, which holds {', '.join(sorted(entries))}.)"
-        )
-    if missing:  # strict=False: said once, on rank 0; an optimizer left as it is resumes from a fresh state
-        warnings.warn(
-            f"fabric.load(strict=False): the checkpoint {str(path)!r} holds no {', '.join(map(repr, missing))}; left as"
-            f" {'it is' if len(missing) == 1 else 'they are'}."
-        )
-    return kind, entries
+
+    def take(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        keys = [self.module_key, *self.optimizer_keys, *self.module_keys]
+        return {key: checkpoint.pop(key) for key in keys if key in checkpoint}
 
 
 def _the_fsdp_module(state: Mapping[str, Any], verb: str, path: Any) -> Tuple[str, Any]:
@@ -262,7 +281,7 @@ def wrap_save(original_save: Callable) -> Callable:
     @functools.wraps(original_save)
     def save(self: Any, path: Any, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         _check_filter(filter, state)
-        if not _signature.takes(self._strategy.save_checkpoint, "filter"):
+        if not compat.takes(self._strategy.save_checkpoint, "filter"):
             if filter is not None:
                 raise NotImplementedError(_only_fsdp(self, "save(..., filter=...)"))
             return original_save(self, path, state)
@@ -282,7 +301,7 @@ def wrap_load(original_load: Callable) -> Callable:
     def load(
         self: Any, path: Any, state: Optional[Dict[str, Any]] = None, strict: bool = True, *, weights_only: Optional[bool] = None,
     ) -> Dict[str, Any]:
-        if not _signature.takes(self._strategy.load_checkpoint, "strict"):
+        if not compat.takes(self._strategy.load_checkpoint, "strict"):
             _refuse_new_arguments(self, "load", strict, weights_only)
             return original_load(self, path, state)
         unwrapped = _unwrap(self, state)
@@ -307,7 +326,7 @@ def wrap_load(original_load: Callable) -> Callable:
 def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_only: Optional[bool] = None) -> None:
     """``Fabric.load_raw``: a module's or optimizer's own state dict from one file (saved without Fabric)."""
     wrapper, obj = obj, _unwrap(self, obj)
-    if _signature.takes(self._strategy.load_checkpoint, "strict"):
+    if compat.takes(self._strategy.load_checkpoint, "strict"):
         self._strategy.load_checkpoint(path=path, state=obj, strict=strict, weights_only=weights_only)
         return
     _refuse_new_arguments(self, "load_raw", True, weights_only)
@@ -317,7 +336,7 @@ def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_onl
     # other strategies of 2.0.x: what native 2.1's base one does, through the strategy's CheckpointIO
     source = _reader.sharded_directory(path)
     if source is not None:
-        _checked_raw(source, bool(weights_only))  # a sharded checkpoint holds no single state dict: refused
+        _RawLoad(obj, strict, bool(weights_only)).check(source)  # a sharded checkpoint holds no single state dict: refused
     state = self._strategy.checkpoint_io.load_checkpoint(path)
     if isinstance(obj, DistributedDataParallel):
         obj = obj.module  # the state dict is the module's own, without DDP's "module." prefix

@@ -2,16 +2,21 @@
 takes the path rank 0 names, has rank 0 check the checkpoint, and loads one FSDP module with its optimizers
 straight into their shards, from a sharded directory or a full file.
 
-What differs between the two strategies is passed in: which checkpoint entries hold the module and the
-optimizers, the module's name prefix, strictness, what else rank 0 checks. Nothing here knows about
-patching or about the Trainer or Fabric.
+What differs between the callers is a ``Request`` each makes: which checkpoint entries hold the module and the
+optimizers, the module's name prefix, strictness, what else rank 0 checks. Each rank reads the checkpoint through
+one location, so each file once. Where torch >= 2.5 allows, weights and optimizer states go straight into the
+shards (``_shard_layout``, handed the location's reader); elsewhere through torch's loaders (``_torch_compat``).
+Nothing here knows about patching or about the Trainer or Fabric.
 """
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
+import functools
+import io
+import re
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from . import _background, _format, _remote, _shard_layout, _verify
+from . import _background, _format, _shard_layout, _storage, _verify
 from . import _torch_compat as compat
 from ._ranks import broadcast, decided_on_rank_zero, raise_found_on_any_rank, warn_rank_zero
-from ._remote import AnyPath
+from ._storage import Location
 
 
 class Restore(NamedTuple):
@@ -31,21 +36,33 @@ class Restore(NamedTuple):
     modules: Mapping[str, Any] = {}
 
 
-# rank 0's verdict on a path (and weights_only): the checkpoint's kind and whatever else the strategy checked
-Check = Callable[[AnyPath, bool], Tuple[_format.StateDictType, Any]]
-# (path, the number of optimizer states the checkpoint holds, the rest of rank 0's verdict) -> what to load
-Plan = Callable[[AnyPath, int, Any], Restore]
-# a full file's module and optimizer entries, taken out of it under the keys a sharded checkpoint stores them by
-Take = Callable[[Dict[str, Any]], Dict[str, Any]]
+class Request:
+    """One caller's load (the Trainer's, Fabric's, Fabric's ``load_raw``): what rank 0 checks, what to restore and
+    what of a full file is the module's and the optimizers'. ``load`` runs it; each caller subclasses it."""
+
+    required: Optional[str] = None  # an entry a full checkpoint file must have
+
+    def __init__(self, weights_only: bool = False) -> None:
+        # how ``meta.pt`` or the full file is unpickled (the shards are read by ``torch.distributed.checkpoint``)
+        self.weights_only = weights_only
+
+    def check(self, path: Location) -> Tuple[_format.StateDictType, Any]:
+        """Rank 0, before anything loads: the checkpoint's kind once it is complete, and whatever else the caller
+        checks (its verdict, which ``plan`` receives on every rank)."""
+        return _verify.checkpoint_kind(path, self.weights_only), None
+
+    def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> Restore:
+        """What to load, given how many optimizer states the checkpoint holds and rank 0's verdict."""
+        raise NotImplementedError
+
+    def take(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """A full file's module and optimizer entries, taken out of it under the keys a sharded checkpoint stores them by."""
+        raise NotImplementedError
 
 
-def load(
-    strategy: Any, path: Any, check: Check, plan: Plan, take: Take, required: Optional[str] = None, weights_only: bool = False,
-) -> Dict[str, Any]:
-    """Load the checkpoint at ``path`` into the module and optimizers that ``plan`` names; returns the rest of
-    the checkpoint (a sharded one's ``meta.pt``, a full file less what ``take`` took; ``required``: an entry
-    the full file must have). ``weights_only``: unpickle ``meta.pt`` or the full file as ``torch.load`` does
-    with it (the shards are read by ``torch.distributed.checkpoint``).
+def load(strategy: Any, path: Any, request: Request) -> Dict[str, Any]:
+    """Load the checkpoint at ``path`` into the module and optimizers that ``request`` plans; returns the rest of the
+    checkpoint (a sharded one's ``meta.pt``, a full file less what ``request.take`` took).
 
     Every rank loads what rank 0 names, so all shards come from one checkpoint; rank 0 checks the files
     before anything is loaded and every rank raises its verdict, so none waits in a collective.
@@ -53,18 +70,20 @@ def load(
     _background.wait(strategy)  # a save still writing: it may be the very checkpoint asked for
     target = broadcast(strategy, str(path))
     # rank 0 follows a URL's pointer once: every rank reads that data, even if a save commits another meanwhile
-    resolved, kind, verdict = decided_on_rank_zero(strategy, _resolved_and_checked, target, check, weights_only)
-    path = _remote.location(resolved, "load")
+    checked: Dict[str, Location] = {}
+    resolved, kind, verdict = decided_on_rank_zero(strategy, _resolved_and_checked, target, request, checked)
+    # rank 0 reads through the location it checked, whose index it has read already
+    path = checked.get(resolved) or _storage.open_path(resolved, "load")
     if kind == _format.SHARDED:
-        shards = compat.read_shard_index(path)
-        restore = plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
+        shards = path.read_index()
+        restore = request.plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
         _shard_layout.drop_gathered_copies(restore.module)
         load_sharded(path, restore, shards)
-        rest = _verify.read_meta(path, weights_only)
+        rest = _verify.read_meta(path, request.weights_only)
     else:
-        rest = _verify.read_full(path, required, weights_only)
-        stored = take(rest)
-        restore = plan(path, _format.count_saved_optimizers(stored), verdict)
+        rest = _verify.read_full(path, request.required, request.weights_only)
+        stored = request.take(rest)
+        restore = request.plan(path, _format.count_saved_optimizers(stored), verdict)
         optimizer_states = {key: stored[key] for key in restore.optimizers}
         other_states = {key: stored[key] for key in restore.modules}
         _shard_layout.drop_gathered_copies(restore.module)
@@ -73,7 +92,7 @@ def load(
     return rest
 
 
-def _check_in_place(path: AnyPath, module: Any) -> None:
+def _check_in_place(path: Location, module: Any) -> None:
     """After a load, every FSDP unit's next forward computes with the shards it wrote; raised on every rank if not."""
     stale = _shard_layout.units_off_their_shards(module)
     found = None
@@ -88,54 +107,50 @@ def _check_in_place(path: AnyPath, module: Any) -> None:
     raise_found_on_any_rank(found)
 
 
-def _resolved_and_checked(target: str, check: Check, weights_only: bool) -> Tuple[str, _format.StateDictType, Any]:
-    path = _remote.resolve(_remote.location(target, "load"))
-    kind, verdict = check(path, weights_only)
+def _resolved_and_checked(target: str, request: Request, checked: Dict[str, Location]) -> Tuple[str, _format.StateDictType, Any]:
+    path = _storage.open_path(target, "load").resolve()
+    kind, verdict = request.check(path)
+    checked[str(path)] = path
     return str(path), kind, verdict
 
 
-def checked_kind(path: AnyPath, weights_only: bool) -> Tuple[_format.StateDictType, None]:
-    """A ``Check`` that asks only for a complete checkpoint."""
-    return _verify.checkpoint_kind(path, weights_only), None
-
-
-def load_sharded(path: AnyPath, restore: Restore, shards: Any) -> None:
+def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
     """Load ``restore`` from the sharded checkpoint at ``path`` whose index (``.metadata``) is ``shards``."""
     module, prefix, key = restore.module, restore.prefix, restore.module_key
     stored = _verify.stored_model_shapes(shards, key)
-    shapes = compat.model_parameter_shapes(module)
+    shapes = model_parameter_shapes(module)
     if shapes is not None:
         # Read each rank's elements straight into its flat parameters: no state-dict template.
         keys = _loadable_keys(path, restore, _format.strip_prefix(shapes, prefix), stored)
-        compat.read_model_into_shards(module, path, {prefix + name: f"{key}.{name}" for name in keys})
+        _shard_layout.read_model_into_shards(module, path.dcp_reader(), {prefix + name: f"{key}.{name}" for name in keys})
         model_state: Dict[str, Any] = {}  # only the torch < 2.5 optimizer loader reads it
     else:
         model_state = _format.strip_prefix(compat.model_state_dict(module, full=False, offload=False), prefix)
         keys = _loadable_keys(path, restore, _verify.tensor_shapes(model_state), stored)
         container = {key: {name: value for name, value in model_state.items() if name in keys}}
-        compat.load_distributed(container, path)
+        compat.load_distributed(container, path.dcp_reader())
         model_state = container[key]
         compat.load_model_state_dict(module, _format.add_prefix(model_state, prefix), full=False, strict=restore.strict)
     for optimizer_key, optimizer in restore.optimizers.items():
-        compat.load_sharded_optimizer_state(module, optimizer, model_state, optimizer_key, path, shards, prefix)
+        load_sharded_optimizer_state(module, optimizer, model_state, optimizer_key, path, shards, prefix)
     for other_key, other in restore.modules.items():
         # Saved whole by every rank (torch de-duplicates); every rank reads it whole.
         wanted = other.state_dict()
         keys = _other_module_keys(path, restore, wanted, _verify.stored_model_shapes(shards, other_key))
         container = {other_key: {name: value for name, value in wanted.items() if name in keys}}
-        compat.load_distributed(container, path)
+        compat.load_distributed(container, path.dcp_reader())
         other.load_state_dict(container[other_key], strict=restore.strict)
 
 
 def load_full(
-    strategy: Any, path: AnyPath, restore: Restore, state_dict: Dict[str, Any], optimizer_states: Dict[str, Any],
+    strategy: Any, path: Location, restore: Restore, state_dict: Dict[str, Any], optimizer_states: Dict[str, Any],
     other_states: Optional[Dict[str, Any]] = None,
 ) -> None:
     """Load ``restore`` from a full checkpoint's weights, optimizer states and other modules' state dicts (by
     checkpoint entry), which every rank passes whole (memory-mapped); each rank keeps its part."""
     other_states = other_states or {}
     module, prefix = restore.module, restore.prefix
-    shapes = compat.model_parameter_shapes(module)
+    shapes = model_parameter_shapes(module)
     direct = shapes is not None  # copy each rank's elements into its flat parameters, gathering nothing
     if not direct:
         # Only the global shapes are wanted: the sharded template goes at once.
@@ -143,7 +158,7 @@ def load_full(
     keys = _loadable_keys(path, restore, _format.strip_prefix(shapes, prefix), _verify.tensor_shapes(state_dict))
     state_dict = _format.add_prefix({name: value for name, value in state_dict.items() if name in keys}, prefix)
     if direct:
-        compat.copy_model_into_shards(module, state_dict)
+        _shard_layout.copy_model_into_shards(module, state_dict)
     else:
         compat.load_model_state_dict(module, state_dict, full=True, strict=restore.strict)
     for other_key, other in restore.modules.items():
@@ -159,10 +174,10 @@ def load_full(
         state = optimizer_states[optimizer_key]
         if _format.is_id_keyed(state):
             # Written by a non-FSDP run or by a full FSDP save: map ids to this optimizer's parameters.
-            groups = compat.optimizer_parameter_names(module, optimizer)
+            groups = optimizer_parameter_names(module, optimizer)
             names = [[_format.strip_name(name, prefix) for name in group] for group in groups]
             state = _format.ids_to_names(state, names_by_group(restore, names))
-        compat.load_full_optimizer_state(module, optimizer, state, prefix)
+        load_full_optimizer_state(module, optimizer, state, prefix)
 
 
 def names_by_group(restore: Restore, groups: List[List[str]]) -> List[List[str]]:
@@ -176,11 +191,11 @@ def names_by_group(restore: Restore, groups: List[List[str]]) -> List[List[str]]
     return [_format.in_module_order(names, modules) for names in groups]
 
 
-def _other_module_keys(path: AnyPath, restore: Restore, wanted: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
+def _other_module_keys(path: Location, restore: Restore, wanted: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
     return _verify.loadable_keys(path, _verify.tensor_shapes(wanted), stored, restore.strict, restore.leniency)
 
 
-def _loadable_keys(path: AnyPath, restore: Restore, expected: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
+def _loadable_keys(path: Location, restore: Restore, expected: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
     keys = _verify.loadable_keys(path, expected, stored, restore.strict, restore.leniency)
     missing = sorted(set(expected) - keys)
     if missing and restore.optimizers and not restore.optimizers_without_weights:
@@ -189,3 +204,97 @@ def _loadable_keys(path: AnyPath, restore: Restore, expected: Dict[str, Any], st
             " cannot be resumed. Resume with the model the checkpoint was written for."
         )
     return keys
+
+
+# --- optimizer states into the shards, by torch release ---------------------------------------------
+
+
+def model_parameter_shapes(model: Any) -> Any:
+    """torch >= 2.5: the model's state-dict entries and full shapes when all of them are parameters FSDP
+    shards, which ``_shard_layout``'s loaders then read straight into the flat parameters; else None.
+
+    get_model_state_dict's template gathers every FSDP unit to re-chunk it, and set_model_state_dict
+    gathers them again to copy it in; those loaders read or copy each rank's elements into its flat parameters.
+    """
+    return _shard_layout.parameter_shapes(model) if compat.new_state_dict_api() else None
+
+
+def optimizer_parameter_names(model: Any, optimizer: Any) -> list:
+    """Each param group's parameter names; for a flat parameter, those of the original parameters in it."""
+    found = _shard_layout.layout(model, optimizer) if compat.new_state_dict_api() else None
+    if found is not None:
+        return _shard_layout.names_by_group(found)
+    state = compat.optimizer_state_dict(model, optimizer, full=False, offload=False)
+    return [list(group["params"]) for group in state["param_groups"]]
+
+
+def load_full_optimizer_state(model: Any, optimizer: Any, state: Dict[str, Any], prefix: str) -> None:
+    """Load a full, name-keyed optimizer state whose names lack the model's ``prefix``; every rank passes it."""
+    found = _shard_layout.layout(model, optimizer) if compat.new_state_dict_api() else None
+    if found is None:
+        compat.load_optimizer_state_dict(model, optimizer, _format.add_optimizer_prefix(state, prefix), full=True)
+        return
+    # torch >= 2.5: set_optimizer_state_dict converts the whole state to FSDP's layout first (twice the
+    # memory of native 2.1.4, which uses FSDP.optim_state_dict_to_load); this slices out what the rank holds.
+    by_name = {prefix + name: value for name, value in state["state"].items()}
+    source = _shard_layout.FullSource(by_name, found.shapes)
+    _shard_layout.load_into_shards(optimizer, found, source, state["param_groups"])
+
+
+def load_sharded_optimizer_state(
+    model: Any, optimizer: Any, model_state: Dict[str, Any], key: str, path: Location, shards: Any, prefix: str
+) -> None:
+    """Load optimizer ``key`` of a sharded checkpoint into this rank's shards.
+
+    ``model_state`` is the model's sharded state as stored (names without the wrapper prefix), ``shards``
+    the checkpoint's index (``read_shard_index``); ``prefix`` is what the model's parameter names have
+    before the names the checkpoint stores.
+    """
+    if compat.new_state_dict_api():
+        found = _shard_layout.layout(model, optimizer)
+        if found is not None:
+            # get_optimizer_state_dict's template (below) initialises the optimizer state and re-chunks it
+            # per parameter: about 2.6 times the shard. This reads into the state's final layout instead.
+            stored = functools.partial(_format.strip_name, prefix=prefix)
+            source = _shard_layout.CheckpointSource(path.dcp_reader(), key, shards, found.shapes, stored)
+            if source.readable():
+                _shard_layout.load_into_shards(optimizer, found, source, _saved_param_groups(path, key, shards))
+                return
+        # The new API builds a complete template (it initialises empty optimizer state); load fills it in.
+        # Only the tensors go through dcp.load: the param groups' hyperparameters are read as saved and
+        # laid over the optimizer's current ones. Loading them into the template fails when a newer torch
+        # added a hyperparameter (torch 2.13's Adam ``decoupled_weight_decay``) and when the world size
+        # changed (the template then flattens the groups differently from the saved keys).
+        template = _format.strip_optimizer_prefix(compat.optimizer_state_dict(model, optimizer, full=False, offload=False), prefix)
+        container = {key: {"state": template["state"]}}
+        compat.load_distributed(container, path.dcp_reader())
+        for group, saved in zip(template["param_groups"], _saved_param_groups(path, key, shards)):
+            group.update(saved)
+        state = {**container[key], "param_groups": template["param_groups"]}
+    else:
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+        loaded = load_sharded_optimizer_state_dict(
+            model_state_dict=model_state, optimizer_key=key, storage_reader=path.dcp_reader()
+        )
+        state = loaded[key]
+    compat.load_optimizer_state_dict(model, optimizer, _format.add_optimizer_prefix(state, prefix), full=False)
+
+
+def _saved_param_groups(path: Location, key: str, index: Any) -> list:
+    """Optimizer ``key``'s param groups as saved: pickled objects, read from the shard files directly."""
+    import torch
+
+    whole = f"{key}.param_groups"
+    groups: Dict[int, Dict[str, Any]] = {}
+    for entry, info in index.storage_data.items():
+        fqn = entry.fqn
+        field = re.fullmatch(re.escape(whole) + r"\.(\d+)\.(\w+)", fqn)
+        if fqn != whole and not field:
+            continue
+        # one request of these bytes at a URL, not a read-ahead block
+        value = torch.load(io.BytesIO((path / info.relative_path).read_bytes(info.offset, info.offset + info.length)), weights_only=False)
+        if field is None:  # fqn == whole: the groups saved as one entry
+            return list(value)
+        groups.setdefault(int(field.group(1)), {})[field.group(2)] = value
+    return [groups[i] for i in sorted(groups)]

@@ -7,7 +7,7 @@ trains from scratch.
 import functools
 from typing import Any, Callable, Set
 
-from . import _remote
+from . import _storage
 
 
 def wrap_find_last_checkpoints(original: Callable) -> Callable:
@@ -15,7 +15,7 @@ def wrap_find_last_checkpoints(original: Callable) -> Callable:
     def _find_last_checkpoints(self: Any, trainer: Any) -> Set[str]:
         found = original(self, trainer)
         fs = getattr(self, "_fs", None)
-        if fs is None or _remote.is_local(fs):
+        if fs is None or _storage.is_local(fs):
             return found
         return {fs.unstrip_protocol(path) for path in found}
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from . import _format
 from . import _torch_compat as compat
+from ._ranks import agree
 
 KEY = "rank_states"  # the checkpoint entry (the Trainer's; Fabric: wherever the user puts a RankStates)
 
@@ -40,7 +41,13 @@ def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
     A collective: every rank calls it."""
     import torch
 
-    mine = capture(module)
+    mine: Dict[str, Any] = {}
+    error: Optional[BaseException] = None
+    try:
+        mine = capture(module)
+    except Exception as raised:  # every rank hears of it, rather than wait in the gather below
+        error = raised
+    agree(error)
     rank, world_size = _rank_and_world_size()
     if world_size == 1:
         return [mine]

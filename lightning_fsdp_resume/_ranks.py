@@ -1,10 +1,12 @@
-"""What every rank must agree on: rank 0's value or verdict given to all, and barriers that also work in one
-process without a process group (a notebook, a unit test), as native Lightning 2.1's do.
+"""What every rank must agree on: rank 0's value or verdict given to all, every rank's outcome of a step
+(``failures``, ``agree``), and barriers that also work in one process without a process group (a notebook, a unit
+test), as native Lightning 2.1's do.
 
 ``strategy`` is the Trainer's or Fabric's strategy object (``global_rank``, ``broadcast``, ``barrier``).
 """
+import pickle
 import warnings
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from . import _torch_compat as compat
 
@@ -35,12 +37,69 @@ def everyone(obj: Any, group: Any = None) -> List[Any]:
     return gathered
 
 
+class RanksFailedError(RuntimeError):
+    """Several ranks failed at one step; ``failures`` holds each one's error, by rank."""
+
+    def __init__(self, failures: Dict[int, BaseException]) -> None:
+        self.failures = failures
+        causes = "; ".join(f"rank {rank}: {describe(error)}" for rank, error in sorted(failures.items()))
+        super().__init__(f"{len(failures)} ranks failed: {causes}")
+
+
+def failures(error: Optional[BaseException], group: Any = None) -> Dict[int, BaseException]:
+    """Every rank's failure at one step, on every rank: rank -> its error, for the ranks whose ``error`` is not None
+    (a collective over ``group``: every rank calls it, with None where it succeeded). The one way ranks learn each
+    other's outcome, so that none goes on alone and no rank's own error is lost behind another's."""
+    if not compat.distributed():
+        return {} if error is None else {0: error}
+    import torch.distributed as dist
+
+    found = {rank: theirs for rank, theirs in enumerate(everyone(_portable(error), group)) if theirs is not None}
+    if error is not None:
+        found[dist.get_rank(group)] = error  # this rank's own, with its traceback
+    return found
+
+
+def agree(error: Optional[BaseException], group: Any = None) -> None:
+    """``failures``, raised on every rank when any rank failed: the failed rank's error where one failed (each rank
+    raises the same exception, as if the step had failed there), else ``RanksFailedError`` naming each."""
+    found = failures(error, group)
+    if not found:
+        return
+    if len(found) == 1:
+        (only,) = found.values()
+        raise only
+    raise RanksFailedError(found) from error
+
+
+def describe(error: BaseException) -> str:
+    """The first line of ``error``, with its type; torch.distributed.checkpoint's name the rank that failed first."""
+    where = ""
+    nested = getattr(error, "failures", None)
+    if isinstance(nested, dict) and nested:
+        rank, failure = sorted(nested.items(), key=lambda item: item[0])[0]
+        error = failure[0] if isinstance(failure, tuple) else failure
+        where = f" (on rank {rank})"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}{where}"
+
+
+def _portable(error: Optional[BaseException]) -> Optional[BaseException]:
+    """``error`` as the other ranks receive it: itself where it pickles, else a ``RuntimeError`` that describes it."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(describe(error))
+    return error
+
+
 def raise_found_on_any_rank(found: Optional[str]) -> None:
     """Raise ``RuntimeError`` on every rank when any rank ``found`` a fault (its message), naming the first such rank
     (a collective: every rank calls it, with None where all is well), so that no rank goes on alone."""
-    for rank, message in enumerate(everyone(found)):
-        if message is not None:
-            raise RuntimeError(f"{message} (found on rank {rank})")
+    for rank, error in sorted(failures(None if found is None else RuntimeError(found)).items()):
+        raise RuntimeError(f"{error} (found on rank {rank})")
 
 
 def broadcast(strategy: Any, obj: Any) -> Any:

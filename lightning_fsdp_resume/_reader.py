@@ -6,17 +6,16 @@ patch table wraps it so that a sharded checkpoint directory reads as the full ch
 write, with no process group and no FSDP. Everything else is left to Lightning's own reader.
 """
 import functools
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from . import _consolidate, _format, _remote, _verify
+from . import _format, _sharded_reader, _storage, _verify
 from ._patcher import Patcher, Wrap
-from ._remote import AnyPath
+from ._storage import Location
 
 
 def wrap_load(original_load: Callable) -> Callable:
     """``cloud_io._load(path_or_url, map_location=None, ...)``, reading a sharded checkpoint too: a directory, or at a
-    URL the data its pointer names (``_remote``)."""
+    URL the data its pointer names (``_storage``)."""
 
     @functools.wraps(original_load)
     def _load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -28,13 +27,13 @@ def wrap_load(original_load: Callable) -> Callable:
     return _load
 
 
-def sharded_directory(path: Any) -> Optional[AnyPath]:
+def sharded_directory(path: Any) -> Optional[Location]:
     """The directory to read whole where ``path`` names one (at a URL: the data its pointer names); None otherwise.
     http(s) URLs are Lightning's to download (torch.hub): asking fsspec's http file system whether one is a
     directory would fetch the whole file as a page of links."""
-    if not isinstance(path, (str, Path)) or str(path).startswith("http"):
+    if not _storage.may_be_sharded_directory(path):
         return None
-    source = _remote.resolve(_remote.location(path, "load"))
+    source = _storage.open_path(path, "load").resolve()
     return source if source.is_dir() else None
 
 
@@ -74,7 +73,7 @@ def _configure_first(on_load_checkpoint: Any) -> Callable:
     return hook
 
 
-def read_whole(path: AnyPath, map_location: Any = None) -> Dict[str, Any]:
+def read_whole(path: Location, map_location: Any = None) -> Dict[str, Any]:
     """The full checkpoint held by the sharded directory ``path``, its tensors placed as ``map_location`` says
     (as ``torch.load`` places them; the shards are read onto the CPU first).
 
@@ -85,13 +84,13 @@ def read_whole(path: AnyPath, map_location: Any = None) -> Dict[str, Any]:
     before the next moves, so the peak is the full state plus the largest tensor.
     """
     _verify.checkpoint_kind(path)  # a partial, damaged or foreign directory: the same refusal as everywhere
-    _consolidate._check_torch()
-    checkpoint, summary = _consolidate.read_full_checkpoint(path)
+    _sharded_reader.check_torch()
+    checkpoint, summary = _sharded_reader.read_full_checkpoint(path)
     if summary.writer == _format.FABRIC and len(summary.weights) == 1:
         (module_key,) = summary.weights
         modules = _format.modules_in_state_dict_order(checkpoint[module_key])
         for key in summary.optimizers:
-            checkpoint[key] = _consolidate._standard_optimizer_state(checkpoint[key], modules)
+            checkpoint[key] = _sharded_reader.standard_optimizer_state(checkpoint[key], modules)
     if map_location is None:
         return checkpoint
     return _placed(checkpoint, functools.partial(_place, map_location=map_location))

@@ -2,17 +2,19 @@
 checkpoint at its path only once it is complete (the previous one stays whole until then).
 
 ``strategy`` is either strategy object; what differs between the two (what a checkpoint holds, how a
-full one is written) is passed in. Nothing here knows about patching or about the Trainer or Fabric.
+full one is written) is passed in. Where the checkpoint lives, and how its store publishes it, is the
+location's (``_storage``); this module keeps the order of a save. Nothing here knows about patching or about
+the Trainer or Fabric (the Trainer's ``AsyncCheckpointIO`` is ``_strategy``'s).
 """
-import contextlib
 import functools
 import secrets
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
-from . import _atomic, _background, _format, _remote
+from . import _background, _format, _storage
 from . import _torch_compat as compat
 from ._ranks import barrier, broadcast, decided_on_rank_zero, warn_rank_zero
+from ._storage import Location
 
 
 def is_full(strategy: Any) -> bool:
@@ -39,16 +41,6 @@ def refuse_storage_options(storage_options: Optional[Any]) -> None:
         )
 
 
-def plain_io(strategy: Any) -> Any:
-    """The Trainer's ``CheckpointIO`` that writes a full checkpoint when called: ``AsyncCheckpointIO``'s wrapped one.
-
-    ``AsyncCheckpointIO``'s own thread would write the file after it is published and the checkpoint it replaces
-    removed. Its request for saves in the background is answered here instead (``in_background``)."""
-    io = strategy.checkpoint_io
-    wrapped = getattr(io, "checkpoint_io", None)
-    return wrapped if asks_for_background(strategy) and wrapped is not None else io
-
-
 def in_background(strategy: Any, asked: bool) -> bool:
     """Whether a save that ``asked`` to be written in the background can be: a torch with ``dcp.async_save`` and a
     process group (the threads agree over one). Else it is written in the foreground, and rank 0 says why once."""
@@ -64,11 +56,6 @@ def in_background(strategy: Any, asked: bool) -> bool:
         f"{'' if compat.distributed() else ', without a process group'}.",
     )
     return False
-
-
-def asks_for_background(strategy: Any) -> bool:
-    """Whether the Trainer's plugins include Lightning's ``AsyncCheckpointIO``."""
-    return type(strategy.checkpoint_io).__name__ == "AsyncCheckpointIO"
 
 
 def training_tensors(module: Any, optimizers: Iterable[Any]) -> Iterator[Any]:
@@ -97,7 +84,7 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
 
     Native 2.1.4 writes in place: a crash mid-save leaves a mix of old and new shards that loads. Here the
     previous checkpoint at ``filepath`` stays intact until the new one is complete: on a local disk the partial
-    directory is renamed into place, at a URL its pointer is written (``_remote``).
+    directory is renamed into place, at a URL its pointer is written (``_storage``).
 
     ``background``: return once the state is in host memory, where training cannot change it: the entries of
     ``stored`` that share the storage of a ``live`` tensor (the module's and optimizers', which training changes)
@@ -107,21 +94,21 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
     _background.wait(strategy)
     path, partial = _destination(strategy, filepath, full=False)
     if background:
-        stored, metadata = compat.host_copy(stored, compat.storages(live)), compat.host_copy(metadata)
+        stored, metadata = _background.host_copy(stored, _background.storages(live)), _background.host_copy(metadata)
         written = _started(lambda: _start_shards(partial, stored, _background.process_group(strategy)))
         _background.start(strategy, path, written.result, functools.partial(_publish_sharded, partial, path, metadata))
         return
-    with _reported(path):
-        partial.mkdir(parents=True, exist_ok=True)
-        compat.save_distributed(stored, partial)
+    with path.reported():
+        partial.mkdir()
+        compat.save_distributed(stored, partial.dcp_writer())
         barrier(strategy)  # every rank's shards are written
         # rank 0 finishes; the others wait for it and raise its error (a store that refused meta.pt, say) with it
         decided_on_rank_zero(strategy, _publish_sharded, partial, path, metadata)
 
 
-def _start_shards(partial: Any, stored: Dict[str, Any], group: Any) -> Future:
-    partial.mkdir(parents=True, exist_ok=True)
-    return compat.save_distributed_in_background(stored, partial, group)
+def _start_shards(partial: Location, stored: Dict[str, Any], group: Any) -> Future:
+    partial.mkdir()
+    return compat.save_distributed_in_background(stored, partial.dcp_writer(), group)
 
 
 def _started(start: Callable[[], Future]) -> Future:
@@ -134,16 +121,13 @@ def _started(start: Callable[[], Future]) -> Future:
         return failed
 
 
-def _publish_sharded(partial: Any, path: Any, metadata: Dict[str, Any]) -> None:
-    compat.save_file(metadata, partial / _format.METADATA_FILENAME)
-    if isinstance(path, _remote.RemotePath):
-        _remote.commit(partial, path)
-    else:
-        _atomic.publish(partial, path)
-    _remove_leftovers(path)
+def _publish_sharded(partial: Location, path: Location, metadata: Dict[str, Any]) -> None:
+    (partial / _format.METADATA_FILENAME).save(metadata)
+    path.publish(partial)
+    path.remove_leftovers()
 
 
-def write_full(strategy: Any, filepath: Any, state: Dict[str, Any], write: Callable[[Dict[str, Any], Any], None],
+def write_full(strategy: Any, filepath: Any, state: Dict[str, Any], write: Callable[[Dict[str, Any], Location], None],
                background: bool = False) -> None:
     """Rank 0 ``write``s the whole checkpoint ``state`` to a hidden partial sibling and puts it at ``filepath``; the
     other ranks wait for it, and raise its error with it. ``background``: rank 0 writes a copy of ``state`` in a
@@ -151,12 +135,12 @@ def write_full(strategy: Any, filepath: Any, state: Dict[str, Any], write: Calla
     _background.wait(strategy)
     path, partial = _destination(strategy, filepath, full=True)
     if not background:
-        with _reported(path):
+        with path.reported():
             decided_on_rank_zero(strategy, _publish_full, path, partial, functools.partial(write, state))
         return
     on_rank_zero = _nothing
     if strategy.global_rank == 0:  # the only rank that holds the gathered state
-        on_rank_zero = functools.partial(_publish_full, path, partial, functools.partial(write, compat.host_copy(state)))
+        on_rank_zero = functools.partial(_publish_full, path, partial, functools.partial(write, _background.host_copy(state)))
     _background.start(strategy, path, on_rank_zero, _nothing)
 
 
@@ -164,67 +148,20 @@ def _nothing() -> None:
     pass
 
 
-@contextlib.contextmanager
-def _reported(path: Any) -> Iterator[None]:
-    """A failed save to a URL (a refused write, a network gone, on any rank) raises one clear error on every rank."""
-    if not isinstance(path, _remote.RemotePath):
-        yield
-        return
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        raise _remote.save_failed(path, error) from error
+def _publish_full(path: Location, partial: Location, write: Callable[[Location], None]) -> None:
+    path.write_file(partial, write)
+    path.remove_leftovers()
 
 
-def _publish_full(path: Any, partial: Any, write: Callable[[Any], None]) -> None:
-    write_file(path, partial, write)
-    _remove_leftovers(path)
+def save_torch_file(state: Dict[str, Any], path: Location) -> None:
+    """A full checkpoint's ``write``: ``torch.save`` of ``state``, durable before it is published."""
+    path.save(state)
 
 
-def write_file(path: Any, partial: Any, write: Callable[[Any], None]) -> None:
-    """``write(partial)``, then put it at ``path`` (a local path or a URL) in one step."""
-    if isinstance(path, _remote.RemotePath):
-        _remote.write_file(path, partial, write)
-    else:
-        _atomic.write_file(path, partial, write)
-
-
-def partial_path(path: Any, token: str) -> Any:
-    """Where a save to ``path`` writes until it is complete."""
-    if isinstance(path, _remote.RemotePath):
-        return _remote.data_path(path, token)
-    return _atomic.partial_path(path, token)
-
-
-def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Any, Any]:
+def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Location, Location]:
     """The path rank 0 names and the partial sibling every rank writes into. A full save replaces a sharded
     checkpoint but no other directory, not even an empty one (as native 2.1 refuses); at a URL, no directory."""
     target, token = broadcast(strategy, (str(filepath), secrets.token_hex(8)))
-    path = _remote.location(target, "save")
-    decided_on_rank_zero(strategy, _check_destination, path, full)
-    return path, partial_path(path, token)
-
-
-def _check_destination(path: Any, full: bool) -> None:
-    if isinstance(path, _remote.RemotePath):
-        _remote.check_bucket(path)
-    if not path.is_dir():
-        return
-    replaceable = not isinstance(path, _remote.RemotePath) and _format.is_replaceable_directory(path)
-    if not (replaceable and (not full or any(path.iterdir()))):
-        raise IsADirectoryError(
-            f"The checkpoint path exists and is a directory: {path}. It is not a sharded checkpoint this package"
-            " saved there, so saving would replace its contents. Choose another path or remove the directory."
-        )
-
-
-def _remove_leftovers(path: Any) -> None:
-    """Rank 0, once ``path`` is published: the checkpoint it replaced and any unfinished saves beside it go."""
-    if isinstance(path, _remote.RemotePath):
-        for remote in _remote.leftovers(path.parent):
-            remote.remove()
-        return
-    for leftover in _atomic.leftovers(path.parent):
-        _atomic.remove(leftover)
+    path = _storage.open_path(target, "save")
+    decided_on_rank_zero(strategy, path.check_destination, full)
+    return path, path.partial(token)

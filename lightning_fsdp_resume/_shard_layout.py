@@ -162,9 +162,10 @@ def copy_model_into_shards(model: Any, values: Dict[str, Any]) -> None:
                     copy_piece(values[piece.name], flat.param.data, piece)
 
 
-def read_model_into_shards(model: Any, path: Any, stored: Dict[str, str]) -> None:
+def read_model_into_shards(model: Any, reader: Any, stored: Dict[str, str]) -> None:
     """Read, for each original parameter name in ``stored``, this rank's part of the checkpoint entry
-    ``stored[name]`` straight into the flat parameters' local shards (a collective)."""
+    ``stored[name]`` straight into the flat parameters' local shards, through torch DCP's storage ``reader`` (a
+    collective)."""
     import torch
 
     views = ViewsReader()
@@ -174,7 +175,7 @@ def read_model_into_shards(model: Any, path: Any, stored: Dict[str, str]) -> Non
             if piece.name in stored:
                 views.add_piece(stored[piece.name], shapes[piece.name], flat.param.data, piece)
     with torch.no_grad():
-        views.read(path)
+        views.read(reader)
 
 
 def _gathered_copy(handle: Any) -> Optional[Any]:
@@ -281,8 +282,8 @@ class CheckpointSource:
     """States from a sharded checkpoint: each piece is read by ``torch.distributed.checkpoint`` into a view
     of the state it belongs to, in ``finish()`` (a collective: every rank calls it)."""
 
-    def __init__(self, path: Any, key: str, metadata: Any, shapes: Dict[str, Tuple[int, ...]], stored: Callable[[str], str]) -> None:
-        self.path = path
+    def __init__(self, reader: Any, key: str, metadata: Any, shapes: Dict[str, Tuple[int, ...]], stored: Callable[[str], str]) -> None:
+        self.reader = reader
         self.metadata = metadata.state_dict_metadata
         self.shapes = shapes
         self.stored = stored
@@ -336,7 +337,7 @@ class CheckpointSource:
         self.views.add_piece(key, self.shapes[piece.name], tensor, piece)
 
     def finish(self) -> None:
-        self.views.read(self.path)
+        self.views.read(self.reader)
 
 
 def copy_piece(full: Any, tensor: Any, piece: Piece) -> None:
@@ -362,12 +363,11 @@ class ViewsReader:
             self.add(key, offsets, tensor[at : at + numel].view(sizes))
             at += numel
 
-    def read(self, path: Any) -> None:
+    def read(self, reader: Any) -> None:
+        """Through torch DCP's storage ``reader`` (torch >= 2.5, where these loaders run: ``dcp.load``)."""
         from torch.distributed.checkpoint import load
 
-        from ._torch_compat import storage_reader
-
-        load({}, storage_reader=storage_reader(path), planner=_into_views_planner(self.views))
+        load({}, storage_reader=reader, planner=_into_views_planner(self.views))
 
 
 def _into_views_planner(views: Dict[str, List[Tuple[Tuple[int, ...], Any]]]) -> Any:

@@ -9,11 +9,6 @@ from . import _torch_compat as compat
 from ._format import StateDictType
 
 
-def takes(function: Callable, argument: str) -> bool:
-    """Whether ``function`` has a parameter named ``argument``: how a release's API is told apart by signature."""
-    return argument in inspect.signature(function).parameters
-
-
 def wrap_init(original_init: Callable, default: StateDictType, old_torch_error: Optional[str], async_save: bool = False) -> Callable:
     """``__init__(..., state_dict_type=default)``; Lightning 2.0.x would pass the argument on to FSDP.
 

@@ -8,9 +8,9 @@ alike by touching Lightning only through the strategy object. What Fabric's stra
 import functools
 from typing import Any, Callable, Dict, Optional
 
-from . import _background, _format, _loading, _rank_states, _ranks, _remote, _saving, _signature, _verify
+from . import _background, _format, _loading, _rank_states, _ranks, _saving, _signature, _storage, _verify
 from . import _torch_compat as compat
-from ._remote import AnyPath
+from ._storage import Location
 
 OLD_TORCH_ERROR = (
     "Saving checkpoints with `FSDPStrategy(state_dict_type='sharded')` is not supported in PyTorch < 2.0."
@@ -121,7 +121,7 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     states = _rank_states.gathered(self.model)  # every rank's RNG states and rank-local buffers, on rank 0
     if states is not None:
         checkpoint[_rank_states.KEY] = states
-    io = _saving.plain_io(self)
+    io = _plain_io(self)
     background = _saving.in_background(self, asked=_asks_for_background(self))
     if _saving.is_full(self):
         # a str: Lightning's CheckpointIO opens a URL with fsspec, a local path as it is
@@ -137,10 +137,25 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
 def _asks_for_background(self: Any) -> bool:
     """Lightning's ``AsyncCheckpointIO`` asks for saves in the background; they are while ``fit`` runs, whose
     teardown waits for them. A save after it (``trainer.save_checkpoint``) has its checkpoint written on return."""
-    if not _saving.asks_for_background(self):
+    if not _asks_for_background_io(self):
         return False
     state = self.lightning_module.trainer.state
     return state.fn == "fit" and state.status == "running"
+
+
+def _plain_io(strategy: Any) -> Any:
+    """The Trainer's ``CheckpointIO`` that writes a full checkpoint when called: ``AsyncCheckpointIO``'s wrapped one.
+
+    ``AsyncCheckpointIO``'s own thread would write the file after it is published and the checkpoint it replaces
+    removed. Its request for saves in the background is answered here instead (``in_background``)."""
+    io = strategy.checkpoint_io
+    wrapped = getattr(io, "checkpoint_io", None)
+    return wrapped if _asks_for_background_io(strategy) and wrapped is not None else io
+
+
+def _asks_for_background_io(strategy: Any) -> bool:
+    """Whether the Trainer's plugins include Lightning's ``AsyncCheckpointIO``."""
+    return type(strategy.checkpoint_io).__name__ == "AsyncCheckpointIO"
 
 
 def wrap_teardown(original_teardown: Callable) -> Callable:
@@ -163,13 +178,10 @@ def wrap_remove_checkpoint(original_remove_checkpoint: Callable) -> Callable:
 
     @functools.wraps(original_remove_checkpoint)
     def remove_checkpoint(self: Any, filepath: Any) -> None:
-        path = _remote.location(filepath, "remove")
-        if not isinstance(path, _remote.RemotePath):
-            remove = functools.partial(original_remove_checkpoint, self, filepath)
-        elif self.is_global_zero:
-            remove = functools.partial(_remote.remove, path)
-        else:
+        if not self.is_global_zero:
             return
+        # Lightning's removal (its CheckpointIO's) where the store allows, else the store's own
+        remove = _storage.open_path(filepath, "remove").remover(functools.partial(original_remove_checkpoint, self, filepath))
         # the checkpoint that replaces this one may still be writing in the background: it goes once that one is in place
         _background.after_publish(self, remove)
 
@@ -179,8 +191,7 @@ def wrap_remove_checkpoint(original_remove_checkpoint: Callable) -> Callable:
 def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
     """Weights into the FSDP module and, when fitting, every optimizer's state into its shards; returns the
     rest of the checkpoint for Lightning to restore (loops, callbacks, schedulers)."""
-    take = functools.partial(_stored, keep_optimizer_states=True)
-    rest = _loading.load(self, checkpoint_path, _loading.checked_kind, functools.partial(_plan, self), take, "state_dict")
+    rest = _loading.load(self, checkpoint_path, _TrainerLoad(self))
     states = rest.pop(_rank_states.KEY, None)
     # Evaluation runs with the model's copy of the buffers (rank 0's), as every other reader does.
     if states is not None and _fitting(self):
@@ -205,12 +216,23 @@ def wrap_on_train_start(original_on_train_start: Callable) -> Callable:
     return on_train_start
 
 
-def _plan(self: Any, path: AnyPath, saved_optimizers: int, _: Any) -> _loading.Restore:
+class _TrainerLoad(_loading.Request):
     """validate/test/predict: the weights are all there is to load; fit: the optimizers too, as many as saved."""
-    fitting = _fitting(self)
-    if fitting:
-        _check_optimizer_count(self, saved_optimizers, path)
-    return _restore(self, fitting)
+
+    required = "state_dict"
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__()
+        self.strategy = strategy
+
+    def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> _loading.Restore:
+        fitting = _fitting(self.strategy)
+        if fitting:
+            _check_optimizer_count(self.strategy, saved_optimizers, path)
+        return _restore(self.strategy, fitting)
+
+    def take(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        return _stored(checkpoint, keep_optimizer_states=True)
 
 
 def _stored(checkpoint: Dict[str, Any], keep_optimizer_states: bool) -> Dict[str, Any]:
@@ -253,7 +275,7 @@ def _prefix(self: Any) -> str:
     return ""
 
 
-def _check_optimizer_count(self: Any, saved: int, path: AnyPath) -> None:
+def _check_optimizer_count(self: Any, saved: int, path: Location) -> None:
     if saved == 0 and self.optimizers:
         raise _verify.weights_only_error(path)
     if saved != len(self.optimizers):

@@ -1,12 +1,10 @@
 """Checks made before anything is loaded: a checkpoint that is incomplete, damaged or for another model
 is refused with the path, what was found and what to do. Nothing here writes to the checkpoint.
 """
-from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
-from . import _atomic, _format
-from . import _torch_compat as compat
-from ._remote import AnyPath
+from . import _format
+from ._storage import Location
 
 SHARDED, FULL = _format.SHARDED, _format.FULL
 _INDEX = _format.DCP_METADATA_FILENAME
@@ -17,80 +15,87 @@ class MissingCheckpointError(FileNotFoundError, ValueError):
     point to a valid checkpoint"); a ``FileNotFoundError`` says better what happened. It is both."""
 
 
-def not_a_checkpoint(path: AnyPath) -> str:
+def not_a_checkpoint(path: Location) -> str:
     """Native Lightning 2.1's phrase for a path it cannot load, so that code matching it keeps matching."""
     return f"The path {str(path)!r} does not point to a valid checkpoint"
 
 
-def checkpoint_kind(path: AnyPath, weights_only: bool = False) -> _format.StateDictType:
+def checkpoint_kind(path: Location, weights_only: bool = False) -> _format.StateDictType:
     """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise. ``weights_only``: how
     ``meta.pt`` may be unpickled."""
-    if not path.exists():
+    entry = path.stat()
+    if entry is None:
         raise MissingCheckpointError(_missing(path))
-    if path.is_file():
-        if path.stat().st_size == 0:
+    if not entry.is_dir:
+        if entry.size == 0:
             raise ValueError(f"The checkpoint file {str(path)!r} is empty. Resume from another checkpoint.")
         return FULL
     _check_sharded(path, weights_only)
     return SHARDED
 
 
-def _missing(path: AnyPath) -> str:
-    message = f"{not_a_checkpoint(path)}: it does not exist."
-    moved = _atomic.previous_of(path) if isinstance(path, Path) else []  # object stores rename nothing
-    if moved:
-        message += (
-            f" A save into it stopped between its two renames and left the previous checkpoint at"
-            f" {str(moved[-1])!r}: rename that to {str(path)!r} to resume from it."
-        )
-    return message
+def _missing(path: Location) -> str:
+    return f"{not_a_checkpoint(path)}: it does not exist.{path.missing()}"
 
 
-def _check_sharded(path: AnyPath, weights_only: bool) -> None:
-    meta, index = path / _format.METADATA_FILENAME, path / _INDEX
+def _check_sharded(path: Location, weights_only: bool) -> None:
+    index = path / _INDEX
     incomplete = " Its save did not finish or it was damaged; resume from another checkpoint."
-    if not any(path.iterdir()):
+    files = path.listing()  # one listing answers for every file below
+    if not files:
         raise ValueError(f"{not_a_checkpoint(path)}: it is an empty directory.")
-    if not meta.is_file() and not index.is_file():
+    has_meta, has_index = (_listed_size(files, name) is not None for name in (_format.METADATA_FILENAME, _INDEX))
+    if not has_meta and not has_index:
         raise ValueError(
             f"{not_a_checkpoint(path)}: the directory has neither {_format.METADATA_FILENAME!r} nor the shard index"
             f" {_INDEX!r}. Pass a sharded checkpoint directory or a full checkpoint file."
         )
-    if not meta.is_file():
+    if not has_meta:
         raise ValueError(f"{not_a_checkpoint(path)}: the sharded checkpoint has no {_format.METADATA_FILENAME!r}." + incomplete)
-    if not index.is_file():
+    if not has_index:
         raise ValueError(f"The sharded checkpoint {str(path)!r} has no shard index {_INDEX!r}." + incomplete)
     try:
-        shards = compat.read_shard_index(path)
+        shards = path.read_index()
     except Exception as error:
         raise ValueError(f"The shard index {str(index)!r} cannot be read ({_describe(error)})." + incomplete) from error
     for relative, needed in _bytes_needed(shards).items():
         shard = path / relative
-        if not shard.is_file():
+        size = _listed_size(files, relative) if "/" not in relative else _file_size(shard)
+        if size is None:
             raise ValueError(f"The shard file {str(shard)!r} is missing." + incomplete)
-        size = shard.stat().st_size
         if size < needed:
             raise ValueError(f"The shard file {str(shard)!r} is truncated: {size} bytes, {needed} expected." + incomplete)
     read_meta(path, weights_only)
 
 
-def read_meta(path: AnyPath, weights_only: bool = False) -> Dict[str, Any]:
+def _listed_size(files: Dict[str, Any], name: str) -> Optional[int]:
+    """The size of the file ``name`` of a directory's ``listing``; None where it is not a file."""
+    entry = files.get(name)
+    return None if entry is None or entry.is_dir else entry.size
+
+
+def _file_size(path: Location) -> Optional[int]:
+    entry = path.stat()
+    return None if entry is None or entry.is_dir else entry.size
+
+
+def read_meta(path: Location, weights_only: bool = False) -> Dict[str, Any]:
     """A sharded checkpoint's ``meta.pt``: everything but the model and optimizer states."""
     meta = path / _format.METADATA_FILENAME
     try:
-        content = compat.load_file(meta, lazy=False, weights_only=weights_only)
+        content = meta.once(("load", weights_only), lambda: meta.load(weights_only=weights_only))
     except Exception as error:
         cause = _weights_only_refusal(error, weights_only) or "The checkpoint is damaged; resume from another one."
         raise ValueError(f"{str(meta)!r} cannot be read ({_describe(error)}). {cause}") from error
     if not isinstance(content, dict):
         raise ValueError(f"{str(meta)!r} holds a {type(content).__name__}, not a checkpoint's metadata dict.")
-    return content
+    return dict(content)  # the caller's to change; read once per location
 
 
-def read_full(path: AnyPath, required: Optional[str] = "state_dict", weights_only: bool = False) -> Dict[str, Any]:
+def read_full(path: Location, required: Optional[str] = "state_dict", weights_only: bool = False) -> Dict[str, Any]:
     """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have."""
     try:
-        checkpoint = compat.load_file(path, lazy=True, weights_only=weights_only)
+        checkpoint = path.once(("load", weights_only), lambda: path.load(lazy=True, weights_only=weights_only))
     except Exception as error:
         cause = _weights_only_refusal(error, weights_only) or (
             "Pass a checkpoint written by `Trainer.save_checkpoint`, `ModelCheckpoint` or `Fabric.save`."
@@ -103,15 +108,15 @@ def read_full(path: AnyPath, required: Optional[str] = "state_dict", weights_onl
             f"The file {str(path)!r} is not a Lightning checkpoint: it has no {required!r}. Pass the path of a"
             " checkpoint written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
         )
-    return checkpoint
+    return dict(checkpoint)  # the caller's to change; read once per location
 
 
-def checkpoint_entries(path: AnyPath, kind: str, weights_only: bool = False) -> Set[Any]:
+def checkpoint_entries(path: Location, kind: str, weights_only: bool = False) -> Set[Any]:
     """The top-level entries of a complete checkpoint: a full file's keys; a sharded one's stored objects
     (modules and optimizers, from its index) and the keys of its ``meta.pt``."""
     if kind == FULL:
         return set(read_full(path, required=None, weights_only=weights_only))
-    shards = compat.read_shard_index(path)
+    shards = path.read_index()
     paths = getattr(shards, "planner_data", None) or {}
     if paths:  # each flattened key's path of nested keys, from the saved dict down
         stored = {nested[0] for nested in paths.values() if nested}
@@ -161,7 +166,7 @@ FABRIC_LENIENCY = "Pass `strict=False` to load the keys both have."
 
 
 def loadable_keys(
-    path: AnyPath,
+    path: Location,
     expected: Dict[str, Optional[Tuple[int, ...]]],
     stored: Dict[str, Optional[Tuple[int, ...]]],
     strict: bool,
@@ -194,7 +199,7 @@ def loadable_keys(
     return set(expected) & set(stored)
 
 
-def weights_only_error(path: AnyPath) -> KeyError:
+def weights_only_error(path: Location) -> KeyError:
     return KeyError(
         "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to"
         f" `ModelCheckpoint.save_weights_only` being set to `True`. (Checkpoint: {str(path)!r}.) Load the weights"

@@ -20,6 +20,7 @@ def test_saves_with_async_checkpoint_io_are_complete_when_published(tmp_path, pr
     import torch
 
     from lightning_fsdp_resume._reader import read_whole
+    from lightning_fsdp_resume._storage import open_path
     from lightning_fsdp_resume.testing import enable_cpu_fsdp
     from support.states import full_weights
     from support.trainer_worker import Net, data
@@ -53,7 +54,7 @@ def test_saves_with_async_checkpoint_io_are_complete_when_published(tmp_path, pr
     # the sharded one through the shim's reader; the full file as it is (Lightning 2.0.x's own reader of full files
     # trips over torch >= 2.6's weights_only default, README: Limitations)
     checkpoint = tmp_path / "epoch=2.ckpt"
-    loaded = read_whole(checkpoint) if kind == "sharded" else torch.load(checkpoint, weights_only=False)
+    loaded = read_whole(open_path(checkpoint, "load")) if kind == "sharded" else torch.load(checkpoint, weights_only=False)
     loaded = loaded["state_dict"]
     assert sorted(loaded) == sorted(Snapshot.weights[2])
     for name, value in Snapshot.weights[2].items():

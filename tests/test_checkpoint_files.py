@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fsdp_resume import _atomic, _verify
 from lightning_fsdp_resume import _torch_compat as compat
+from lightning_fsdp_resume import _verify
+from lightning_fsdp_resume._storage import _local, open_path
 from support.checkpoints import saved_epoch, trainer_checkpoint
 from support.flavours import PATCHABLE_TRAINERS, strategy_class
 from support.marks import needs_patched_trainer
@@ -28,7 +29,7 @@ def save(path: Path, epoch: int, kind: str = "sharded") -> Path:
 
 
 def test_partial_saves_are_hidden_and_never_named_last(tmp_path):
-    partial = _atomic.partial_path(tmp_path / "last.ckpt", "abc")
+    partial = _local.partial_path(tmp_path / "last.ckpt", "abc")
     assert partial.parent == tmp_path and partial.name.startswith(".") and "last" not in partial.name
 
 
@@ -42,7 +43,7 @@ class TestAtomicSaves:
         path = save(tmp_path / "last.ckpt", 1)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
         assert {"meta.pt", ".metadata"} <= {p.name for p in path.iterdir()}
-        assert _verify.checkpoint_kind(path) == _verify.SHARDED and saved_epoch(path) == 1
+        assert _verify.checkpoint_kind(open_path(path, "load")) == _verify.SHARDED and saved_epoch(path) == 1
 
     @pytest.mark.parametrize("first,second", [("sharded", "sharded"), ("sharded", "full"), ("full", "sharded"), ("full", "full")])
     def test_overwriting_replaces_the_checkpoint_whole(self, tmp_path, first, second):
@@ -65,13 +66,13 @@ class TestAtomicSaves:
             save(path, 2)
         monkeypatch.undo()
         assert file_hashes(path) == before
-        leftovers = _atomic.leftovers(tmp_path)
+        leftovers = _local.leftovers(tmp_path)
         assert len(leftovers) == 1 and "last" not in leftovers[0].name
         save(path, 3)
-        assert saved_epoch(path) == 3 and _atomic.leftovers(tmp_path) == []
+        assert saved_epoch(path) == 3 and _local.leftovers(tmp_path) == []
 
     def test_without_atomic_exchange_a_crash_between_renames_names_the_previous(self, tmp_path, monkeypatch):
-        monkeypatch.setattr(_atomic, "_exchange", lambda first, second: False)  # e.g. NFS
+        monkeypatch.setattr(_local, "_exchange", lambda first, second: False)  # e.g. NFS
         path = save(tmp_path / "last.ckpt", 1)
         save(path, 2)
         assert saved_epoch(path) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
@@ -101,7 +102,7 @@ class TestAtomicSaves:
         for kind in ("sharded", "full"):
             with pytest.raises(IsADirectoryError, match=r"^The checkpoint path exists and is a directory: .*results\. It is not a sharded checkpoint"):
                 save(path, 1, kind)
-        assert [p.name for p in path.iterdir()] == ["notes.txt"] and _atomic.leftovers(tmp_path) == []
+        assert [p.name for p in path.iterdir()] == ["notes.txt"] and _local.leftovers(tmp_path) == []
 
     def test_a_full_save_refuses_an_empty_directory_and_a_sharded_one_takes_its_place(self, tmp_path):
         path = tmp_path / "empty"
@@ -110,7 +111,7 @@ class TestAtomicSaves:
             save(path, 1, "full")
         assert path.is_dir() and not any(path.iterdir())
         save(path, 1, "sharded")
-        assert saved_epoch(path) == 1 and _atomic.leftovers(tmp_path) == []
+        assert saved_epoch(path) == 1 and _local.leftovers(tmp_path) == []
 
 
 def _damage(path: Path, how: str) -> None:

@@ -17,9 +17,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from lightning_fsdp_resume import _consolidate, _versions
+from lightning_fsdp_resume import _consolidate, _sharded_reader, _versions
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
+from lightning_fsdp_resume._storage import open_path
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
 from support.flavours import FABRIC_UNDER_TEST, NATIVE, VERSION
 from support.marks import long_runs, needs_consolidate, needs_cpu_fsdp, skip_as
@@ -99,13 +100,13 @@ def test_destination_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     (tmp_path / "out.ckpt").write_bytes(b"old")
     monkeypatch.setattr(torch, "save", fail_midway)
     with pytest.raises(OSError, match="disk full"):
-        _consolidate.write_atomically({"state_dict": {}}, tmp_path / "out.ckpt")
+        _consolidate.write_atomically({"state_dict": {}}, open_path(tmp_path / "out.ckpt", "write"))
     assert [p.name for p in tmp_path.iterdir()] == ["out.ckpt"]  # no temporary file left behind
     assert (tmp_path / "out.ckpt").read_bytes() == b"old"
 
 
 def test_written_file_has_an_ordinary_mode(tmp_path):
-    _consolidate.write_atomically({"state_dict": {"w": torch.ones(2)}}, tmp_path / "sub" / "out.ckpt")
+    _consolidate.write_atomically({"state_dict": {"w": torch.ones(2)}}, open_path(tmp_path / "sub" / "out.ckpt", "write"))
     mask = os.umask(0)
     os.umask(mask)
     assert (tmp_path / "sub" / "out.ckpt").stat().st_mode & 0o777 == 0o666 & ~mask
@@ -114,7 +115,7 @@ def test_written_file_has_an_ordinary_mode(tmp_path):
 
 def test_progress_without_tqdm_prints_plain_lines(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
-    progress = _consolidate.Progress(4 * 2**20, "reading 'x'")
+    progress = _sharded_reader.Progress(4 * 2**20, "reading 'x'")
     for _ in range(4):
         progress.advance(2**20)
     progress.close()
@@ -518,8 +519,8 @@ WEIGHTS_ONLY_KEYS = {"state_dict", "epoch", "global_step", "pytorch-lightning_ve
 
 def _write_sharded(directory: Path, stored: dict, meta: dict) -> Path:
     directory.mkdir(parents=True)
-    compat.save_distributed(stored, directory)
-    compat.save_file(meta, directory / "meta.pt")
+    compat.save_distributed(stored, open_path(directory, "save").dcp_writer())
+    open_path(directory / "meta.pt", "save").save(meta)
     return directory
 
 
@@ -659,7 +660,7 @@ def test_safetensors_reads_one_tensor_at_a_time_and_frees_it_before_the_next(han
 
 @needs_consolidate
 def test_failed_safetensors_write_leaves_the_destination_as_it_was(handmade, tmp_path, monkeypatch):
-    read, count = _consolidate._read_tensor, []
+    read, count = _sharded_reader.read_tensor, []
 
     def fail_on_the_third(*args):
         count.append(1)
@@ -668,7 +669,7 @@ def test_failed_safetensors_write_leaves_the_destination_as_it_was(handmade, tmp
         return read(*args)
 
     (tmp_path / "w.safetensors").write_bytes(b"old")
-    monkeypatch.setattr(_consolidate, "_read_tensor", fail_on_the_third)
+    monkeypatch.setattr(_sharded_reader, "read_tensor", fail_on_the_third)
     with pytest.raises(OSError, match="disk full"):
         consolidate(handmade.trainer, tmp_path / "w.safetensors", overwrite=True, progress=False, format="safetensors")
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # no temporary file left behind

@@ -99,14 +99,15 @@ def test_weights_only_refuses_other_objects_and_says_what_to_do(tmp_path, kind):
     from fractions import Fraction
 
     from lightning_fsdp_resume import _verify
+    from lightning_fsdp_resume._storage import open_path
 
     checkpoint = {"model": {"w": torch.ones(2)}, "ratio": Fraction(1, 3)}  # a value weights_only does not unpickle
     if kind == "full file":
         torch.save(checkpoint, tmp_path / "c.ckpt")
-        read = functools.partial(_verify.read_full, tmp_path / "c.ckpt", None)
+        read = functools.partial(_verify.read_full, open_path(tmp_path / "c.ckpt", "load"), None)
     else:
         torch.save(checkpoint, tmp_path / "meta.pt")
-        read = functools.partial(_verify.read_meta, tmp_path)
+        read = functools.partial(_verify.read_meta, open_path(tmp_path, "load"))
     with pytest.raises(ValueError, match=r"read with `weights_only=True`.*`weights_only=False` if you trust the file"):
         read(weights_only=True)
     assert read(weights_only=False)["ratio"] == Fraction(1, 3)
@@ -150,18 +151,23 @@ class TestStrategyRefusals:
             strategy.load_checkpoint(tmp_path / "nowhere", torch.nn.Linear(2, 2))
 
     def test_a_missing_model_entry_is_refused_even_when_not_strict_and_says_why(self, tmp_path):
-        from lightning_fsdp_resume import _fabric
-
         torch.save({"net": {}, "step": 1}, tmp_path / "other.ckpt")
         with pytest.raises(KeyError, match=r"a key 'model' that does not exist.*needed even with `strict=False`"):
-            _fabric._checked(tmp_path / "other.ckpt", False, "model", ["step"], strict=False)
+            _check(tmp_path / "other.ckpt", "model", ["step"], strict=False)
         with pytest.raises(KeyError, match=r"a key 'model' that does not exist.* To disable strict loading, set `strict=False`"):
-            _fabric._checked(tmp_path / "other.ckpt", False, "model", ["step"], strict=True)
+            _check(tmp_path / "other.ckpt", "model", ["step"], strict=True)
 
     def test_not_strict_says_which_requested_entries_the_checkpoint_lacks(self, tmp_path):
-        from lightning_fsdp_resume import _fabric
-
         torch.save({"model": {}, "step": 1}, tmp_path / "c.ckpt")
         with pytest.warns(UserWarning, match=r"strict=False\): the checkpoint .*c\.ckpt' holds no 'optimizer', 'ema'; left as they are"):
-            kind, entries = _fabric._checked(tmp_path / "c.ckpt", False, "model", ["optimizer", "ema", "step"], strict=False)
+            kind, entries = _check(tmp_path / "c.ckpt", "model", ["optimizer", "ema", "step"], strict=False)
         assert (kind, entries) == ("full", {"model", "step"})
+
+
+def _check(path, module_key, requested, strict):
+    """Rank 0's check of ``fabric.load(path, state)`` for a state of ``module_key`` and the ``requested`` entries."""
+    from lightning_fsdp_resume import _fabric
+    from lightning_fsdp_resume._storage import open_path
+
+    request = _fabric._FabricLoad({}, module_key, None, [], [], requested, strict, use_orig_params=False, weights_only=False)
+    return request.check(open_path(path, "load"))

@@ -1,4 +1,4 @@
-"""Checkpoints at URLs: saved through fsspec, crash-safe by the pointer protocol (``_remote``), and never written
+"""Checkpoints at URLs: saved through fsspec, crash-safe by the pointer protocol (``_storage._objects``), and never written
 to a local folder named after the scheme (``Path("s3://b/run")`` is the local ``s3:/b/run``).
 
 ``memory://`` serves the one-process tests; the multi-rank ones run against a real S3-compatible server on
@@ -143,7 +143,7 @@ def test_an_unknown_protocol_is_refused_by_name_and_nothing_is_written(in_empty_
 
 
 def test_a_protocol_whose_fsspec_implementation_is_missing_names_what_to_install(in_empty_directory):
-    from lightning_fsdp_resume._remote import location
+    from lightning_fsdp_resume._storage import open_path as location
 
     with pytest.raises(ImportError, match=r"Cannot save the checkpoint 'nosuchprotocol://bucket/x': its protocol has no"
                                           r" fsspec implementation here .* Nothing was written"):
@@ -160,7 +160,7 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
     import sys
 
     from lightning_fsdp_resume import _torch_compat as compat
-    from lightning_fsdp_resume._remote import location
+    from lightning_fsdp_resume._storage import open_path as location
 
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint._fsspec_filesystem", None)  # as if torch had none
@@ -169,7 +169,7 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
     with pytest.raises(RuntimeError, match=rf"Sharded checkpoints at URLs \('memory:///bucket/run/last\.ckpt'\) need"
                                            rf" torch\.distributed\.checkpoint's fsspec storage, which torch {release} does"
                                            r" not have .*save full checkpoints"):
-        compat.storage_writer(location(f"{MEMORY}/last.ckpt", "save"))
+        location(f"{MEMORY}/last.ckpt", "save").dcp_writer()
 
 
 def test_http_checkpoints_are_left_to_lightnings_own_download():
@@ -184,29 +184,30 @@ def test_http_checkpoints_are_left_to_lightnings_own_download():
 
 
 def test_file_urls_are_local_paths(tmp_path):
-    from lightning_fsdp_resume._remote import location
+    from lightning_fsdp_resume._storage import open_path as location
 
-    assert location(f"file://{tmp_path}/x.ckpt", "save") == tmp_path / "x.ckpt"
+    assert location(f"file://{tmp_path}/x.ckpt", "save") == location(tmp_path / "x.ckpt", "save")
 
 
 def test_a_damaged_pointer_or_missing_data_is_refused_by_name(memory):
-    from lightning_fsdp_resume._remote import location, resolve
+    from lightning_fsdp_resume._storage import open_path as location
 
     memory.pipe_file("/bucket/run/last.ckpt", b'{"lightning_fsdp_resume.pointer": 1, "kind": "sharded"}')
     with pytest.raises(ValueError, match=r"The checkpoint pointer 'memory:///bucket/run/last\.ckpt' is damaged"):
-        resolve(location(f"{MEMORY}/last.ckpt", "load"))
+        location(f"{MEMORY}/last.ckpt", "load").resolve()
     memory.pipe_file("/bucket/run/last.ckpt", json.dumps({"lightning_fsdp_resume.pointer": 1, "kind": "sharded",
                                                           "data": ".fsdp-resume-data-gone"}).encode())
     with pytest.raises(FileNotFoundError, match=r"names its data 'memory:///bucket/run/\.fsdp-resume-data-gone', which does"
                                                 r" not exist"):
-        resolve(location(f"{MEMORY}/last.ckpt", "load"))
+        location(f"{MEMORY}/last.ckpt", "load").resolve()
     memory.pipe_file("/bucket/run/last.ckpt", json.dumps({"lightning_fsdp_resume.pointer": 9, "data": "x"}).encode())
     with pytest.raises(ValueError, match=r"newer format \(9\).*Upgrade lightning_fsdp_resume"):
-        resolve(location(f"{MEMORY}/last.ckpt", "load"))
+        location(f"{MEMORY}/last.ckpt", "load").resolve()
 
 
 def test_leftover_data_is_found_unless_a_pointer_is_damaged(memory):
-    from lightning_fsdp_resume._remote import leftovers, location
+    from lightning_fsdp_resume._storage import open_path as location
+    from lightning_fsdp_resume._storage._objects import leftovers
 
     memory.pipe_file("/bucket/run/.fsdp-resume-data-kept/.metadata", b"x")
     memory.pipe_file("/bucket/run/.fsdp-resume-data-dead/.metadata", b"x")

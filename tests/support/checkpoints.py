@@ -2,8 +2,8 @@
 for the tests that save and load through the patched strategy in one process."""
 from pathlib import Path
 
-from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume import _verify
+from lightning_fsdp_resume._storage import open_path
 
 
 def trainer_checkpoint(epoch: int) -> dict:
@@ -23,4 +23,5 @@ def trainer_checkpoint(epoch: int) -> dict:
 
 def saved_epoch(path: Path) -> int:
     """The ``epoch`` of a saved checkpoint: a sharded directory's ``meta.pt`` or a full file."""
-    return (_verify.read_meta(path) if path.is_dir() else compat.load_file(path, lazy=False))["epoch"]
+    location = open_path(path, "load")
+    return (_verify.read_meta(location) if location.is_dir() else location.load())["epoch"]

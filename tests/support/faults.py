@@ -49,7 +49,7 @@ def kill_during_saves(strategy, point: str, rank: int, save: int, fault=sigkill)
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.filesystem as fs
 
-    from lightning_fsdp_resume import _atomic, _remote
+    from lightning_fsdp_resume._storage import _local, _objects
 
     saves = [0]
     original_save = strategy.save_checkpoint
@@ -90,9 +90,9 @@ def kill_during_saves(strategy, point: str, rank: int, save: int, fault=sigkill)
         FsspecWriter = fs.FileSystemWriter
     if not issubclass(FsspecWriter, fs.FileSystemWriter):
         around(FsspecWriter, "write_data", "", "mid-shards")
-    around(_atomic, "publish", "before-publish", "after-publish")
-    around(_remote, "commit", "before-publish", "after-publish")
-    around(_remote, "publish_file", "before-publish", "after-publish")
+    around(_local, "publish", "before-publish", "after-publish")
+    around(_objects, "commit", "before-publish", "after-publish")
+    around(_objects, "publish_file", "before-publish", "after-publish")
 
     if point != "mid-file":
         return
@@ -120,7 +120,7 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
 
     import torch.distributed.checkpoint.filesystem as fs
 
-    from lightning_fsdp_resume import _atomic
+    from lightning_fsdp_resume._storage import _local
 
     def note(line: str) -> None:
         with open(log, "a") as handle:
@@ -147,7 +147,7 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
     traced(strategy, "save_checkpoint", before=lambda *a, **k: f"save-called {target(*a, **k)}",
            after=lambda *a, **k: f"save-returned {target(*a, **k)}")
     traced(fs.FileSystemWriter, "write_data", before=lambda *_: "write", slow=True)
-    traced(_atomic, "write_file", before=lambda *_: "write", slow=True)
-    traced(_atomic, "publish", after=lambda partial, path: f"publish {Path(path).name}")
+    traced(_local, "write_file", before=lambda *_: "write", slow=True)
+    traced(_local, "publish", after=lambda partial, path: f"publish {Path(path).name}")
     if removals:  # the Trainer's ModelCheckpoint removes through it; Fabric's FSDPStrategy has none (it raises)
         traced(strategy.checkpoint_io, "remove_checkpoint", before=lambda path: f"remove {Path(path).name}")

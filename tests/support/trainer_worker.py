@@ -236,16 +236,16 @@ def full_optimizer_state(trainer, optimizer):
 
 def trace_meta_writes(log: Path) -> None:
     """Append one line per ``meta.pt`` written, naming the writing rank."""
-    from lightning_fsdp_resume import _torch_compat as compat
+    from lightning_fsdp_resume._storage._local import LocalLocation
 
-    original = compat.save_file
+    original = LocalLocation.save
 
-    def traced(obj, path):
+    def traced(path, obj):
         with open(log, "a") as handle:
             handle.write(f"{os.environ.get('RANK', '0')} {path}\n")
-        return original(obj, path)
+        return original(path, obj)
 
-    compat.save_file = traced
+    LocalLocation.save = traced
 
 
 class CliNet(Net):

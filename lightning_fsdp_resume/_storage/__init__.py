@@ -1,0 +1,55 @@
+"""Where a checkpoint lives, decided once: ``open_path`` turns what the user passed into a ``Location`` of the one
+store that holds it, a local directory (``_local``) or an object store through fsspec (``_objects``). Everything
+that differs between the two is a method of ``Location``; nothing outside this package asks which one it has.
+
+A ``Location`` answers what the checkpoint code asks of a path (``/``, ``name``, ``parent``, ``exists()``,
+``is_file()``, ``is_dir()``, ``iterdir()``, ``size()``, ``str()``), reads and writes its files (byte ranges,
+``torch.load``/``torch.save`` of small files, torch DCP's reader and writer), and knows its store's way of putting
+a checkpoint in place only once it is complete (``partial``, ``publish``, ``write_file``), of removing one, of
+finding what unfinished saves left, and how to say that a checkpoint is missing. Ranks share a location as its
+string: ``open_path(str(location))`` is the same location.
+"""
+from pathlib import Path
+from typing import Any
+
+from .. import _format
+from ._local import LocalLocation
+from ._location import Location
+from ._objects import ObjectLocation
+
+
+def open_path(target: Any, action: str) -> Location:
+    """The location ``target`` (a path or a URL) names. ``file://`` URLs are local paths; any other URL is opened with
+    its fsspec implementation, and one that is not installed is refused with what to install. ``action`` ("save",
+    "load", ...) says in that error what could not be done."""
+    if isinstance(target, Location):
+        return target
+    text = str(target)
+    if not _format.is_url(text):
+        return LocalLocation(Path(target))
+    try:
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(text)
+    except (ImportError, ValueError) as error:
+        extra = " (for s3://: pip install 'lightning-fsdp-resume[s3]')" if text.startswith(("s3://", "s3a://")) else ""
+        raise ImportError(
+            f"Cannot {action} the checkpoint {text!r}: its protocol has no fsspec implementation here ({error})."
+            f" Install it{extra} on every node. Nothing was written."
+        ) from error
+    if is_local(fs):
+        return LocalLocation(Path(path))
+    return ObjectLocation(fs, path)
+
+
+def is_local(fs: Any) -> bool:
+    """Whether an fsspec file system is the local one (``file://``)."""
+    protocol = fs.protocol
+    return "file" in ([protocol] if isinstance(protocol, str) else list(protocol))
+
+
+def may_be_sharded_directory(target: Any) -> bool:
+    """Whether ``target`` could name a sharded checkpoint directory, asked before opening it: http(s) URLs are
+    Lightning's to download (torch.hub), and asking fsspec's http file system whether one is a directory would
+    fetch the whole file as a page of links."""
+    return isinstance(target, (str, Path)) and not str(target).startswith("http")

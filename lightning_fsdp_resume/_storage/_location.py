@@ -1,0 +1,160 @@
+"""What every store answers for a checkpoint's place in it: ``Location``, which ``_local`` and ``_objects`` implement."""
+import contextlib
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional
+
+
+class Entry(NamedTuple):
+    """What one question to the store tells of a path: a directory, or a file of ``size`` bytes."""
+
+    is_dir: bool
+    size: int = 0
+
+
+class Location:
+    """A path in one store; see the module docstring. The methods below are what both stores implement."""
+
+    # --- what a path answers ---
+    def __truediv__(self, name: str) -> "Location":
+        """The entry ``name`` of this directory: the same location each time it is asked (its ``once`` reads too)."""
+        return self.once(("entry", name), lambda: self._entry(name))
+
+    def _entry(self, name: str) -> "Location":
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def parent(self) -> "Location":
+        raise NotImplementedError
+
+    def exists(self) -> bool:
+        raise NotImplementedError
+
+    def is_file(self) -> bool:
+        raise NotImplementedError
+
+    def is_dir(self) -> bool:
+        raise NotImplementedError
+
+    def iterdir(self) -> Iterator["Location"]:
+        raise NotImplementedError
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def stat(self) -> Optional[Entry]:
+        """What is here, in one question to the store; None where nothing is."""
+        raise NotImplementedError
+
+    def listing(self) -> Dict[str, Entry]:
+        """This directory's entries by name, listed once per location (one request at a URL)."""
+        return self.once("listing", self._list)
+
+    def _list(self) -> Dict[str, Entry]:
+        raise NotImplementedError
+
+    def contains(self, other: "Location") -> bool:
+        """Whether ``other`` lies inside this directory."""
+        raise NotImplementedError
+
+    # --- reading and writing files ---
+    def read_bytes(self, start: Optional[int] = None, end: Optional[int] = None) -> bytes:
+        """The file's bytes, or those in [start, end)."""
+        raise NotImplementedError
+
+    def load(self, lazy: bool = False, weights_only: bool = False) -> Any:
+        """``torch.load`` of the file onto the CPU; ``lazy``: memory-mapped where the store and torch allow."""
+        raise NotImplementedError
+
+    def save(self, obj: Any) -> None:
+        """``torch.save`` of ``obj`` into the file, durable before it is published."""
+        raise NotImplementedError
+
+    def mkdir(self) -> None:
+        raise NotImplementedError
+
+    def open(self, mode: str = "rb") -> Any:
+        """The file as a stream (a single-file checkpoint's writer that streams: ``consolidate``'s safetensors)."""
+        raise NotImplementedError
+
+    def dcp_writer(self) -> Any:
+        """torch DCP's storage writer into this directory."""
+        raise NotImplementedError
+
+    def dcp_reader(self) -> Any:
+        """torch DCP's storage reader of this directory, answering with the index ``read_index`` read: every load
+        through this location reads ``.metadata`` once (at a URL, each read is a request)."""
+        reader = self._dcp_reader()
+        index = self.read_index()
+
+        def read_metadata(*args: Any, **kwargs: Any) -> Any:
+            storage_meta = getattr(index, "storage_meta", None)
+            if storage_meta is not None and hasattr(reader, "load_id"):
+                storage_meta.load_id = reader.load_id  # torch 2.4+ readers stamp the index they read with this load
+            return index
+
+        reader.read_metadata = read_metadata
+        return reader
+
+    def read_index(self) -> Any:
+        """A sharded checkpoint's ``.metadata``, read once per location: every stored entry (``state_dict_metadata``,
+        flattened keys with global shapes), where its bytes are (``storage_data``: file, offset, length) and, in
+        ``planner_data``, the nested path each flattened key came from."""
+        return self.once("index", lambda: self._dcp_reader().read_metadata())
+
+    def once(self, key: Any, read: Callable[[], Any]) -> Any:
+        """``read()`` the first time ``key`` is asked of this location, its result after: a load checks a checkpoint
+        and then loads it through one location, reading each file once (at a URL, each read is a request)."""
+        done = vars(self).setdefault("_once", {})
+        if key not in done:
+            done[key] = read()
+        return done[key]
+
+    def _dcp_reader(self) -> Any:
+        raise NotImplementedError
+
+    # --- putting a checkpoint in place, and taking it away ---
+    def partial(self, token: str) -> "Location":
+        """Where a save to this location writes until it is complete."""
+        raise NotImplementedError
+
+    def publish(self, partial: "Location") -> None:
+        """Make the complete sharded checkpoint at ``partial`` the one here; the one it replaces becomes a leftover."""
+        raise NotImplementedError
+
+    def write_file(self, partial: "Location", write: Callable[["Location"], None]) -> None:
+        """The one writer of single-file checkpoints: ``write(partial)``, then put it here in one step. This location
+        keeps what it held until then; a write that fails leaves nothing behind."""
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Remove the checkpoint here, in an order that never leaves a half-removed one readable."""
+        raise NotImplementedError
+
+    def remover(self, lightning_remove: Callable[[], None]) -> Callable[[], None]:
+        """What removes the checkpoint here for ``ModelCheckpoint``: Lightning's own ``lightning_remove`` (its
+        ``CheckpointIO``'s) where that removes it whole, else ``remove``."""
+        return self.remove
+
+    def remove_leftovers(self) -> None:
+        """Once this checkpoint is published: the one it replaced and unfinished saves beside it go."""
+        raise NotImplementedError
+
+    def resolve(self) -> "Location":
+        """What to read for the checkpoint here (at a URL, the data its pointer names)."""
+        return self
+
+    def check_destination(self, full: bool) -> None:
+        """Refuse a save that would replace what is not a checkpoint (or, at a URL, create a bucket)."""
+        raise NotImplementedError
+
+    def missing(self) -> str:
+        """Why nothing is here, beyond "it does not exist", where the store knows more ("" where it does not)."""
+        return ""
+
+    @contextlib.contextmanager
+    def reported(self) -> Iterator[None]:
+        """Around a save: its failure in this store's words, raised on every rank that sees it."""
+        yield
