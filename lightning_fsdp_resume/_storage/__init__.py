@@ -3,7 +3,7 @@ store that holds it, a local directory (``_local``) or an object store through f
 that differs between the two is a method of ``Location``; nothing outside this package asks which one it has.
 
 A ``Location`` answers what the checkpoint code asks of a path (``/``, ``name``, ``parent``, ``exists()``,
-``is_file()``, ``is_dir()``, ``iterdir()``, ``size()``, ``str()``), reads and writes its files (byte ranges,
+``is_dir()``, ``stat()``, ``listing()``, ``str()``), reads and writes its files (byte ranges,
 ``torch.load``/``torch.save`` of small files, torch DCP's reader and writer), and knows its store's way of putting
 a checkpoint in place only once it is complete (``partial``, ``publish``, ``write_file``), of removing one, of
 finding what unfinished saves left, and how to say that a checkpoint is missing. Ranks share a location as its

@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .. import _format
 from .. import _torch_compat as compat
@@ -148,17 +148,8 @@ class LocalLocation(Location):
     def exists(self) -> bool:
         return self.path.exists()
 
-    def is_file(self) -> bool:
-        return self.path.is_file()
-
     def is_dir(self) -> bool:
         return self.path.is_dir()
-
-    def iterdir(self) -> Iterator["LocalLocation"]:
-        return (LocalLocation(entry) for entry in self.path.iterdir())
-
-    def size(self) -> int:
-        return self.path.stat().st_size
 
     def stat(self) -> Optional[Entry]:
         if self.path.is_dir():

@@ -11,7 +11,7 @@ class Entry(NamedTuple):
 
 
 class Location:
-    """A path in one store; see the module docstring. The methods below are what both stores implement."""
+    """A path in one store (see ``_storage``). The methods below are what both stores implement."""
 
     # --- what a path answers ---
     def __truediv__(self, name: str) -> "Location":
@@ -32,16 +32,7 @@ class Location:
     def exists(self) -> bool:
         raise NotImplementedError
 
-    def is_file(self) -> bool:
-        raise NotImplementedError
-
     def is_dir(self) -> bool:
-        raise NotImplementedError
-
-    def iterdir(self) -> Iterator["Location"]:
-        raise NotImplementedError
-
-    def size(self) -> int:
         raise NotImplementedError
 
     def stat(self) -> Optional[Entry]:

@@ -74,18 +74,8 @@ class ObjectLocation(Location):
     def exists(self) -> bool:
         return bool(self._fresh().exists(self.path))
 
-    def is_file(self) -> bool:
-        return bool(self._fresh().isfile(self.path))
-
     def is_dir(self) -> bool:
         return bool(self._fresh().isdir(self.path))
-
-    def iterdir(self) -> Iterator["ObjectLocation"]:
-        for entry in self._fresh().ls(self.path, detail=False):
-            yield ObjectLocation(self.fs, entry)
-
-    def size(self) -> int:
-        return int(self._fresh().size(self.path))
 
     def stat(self) -> Optional[Entry]:
         try:
