@@ -12,7 +12,7 @@ failed to load the model and silently gave every rank rank 0's optimizer shard.
 import functools
 import importlib
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Set, Tuple
 
 from . import _format, _loading, _reader, _saving, _signature, _storage, _verify
 from . import _torch_compat as compat
@@ -100,15 +100,10 @@ def load_checkpoint(
             f" Load it with its model: `fabric.load({str(path)!r}, {{'model': model, 'optimizer': optimizer}})`."
         )
     module_key, module = _the_fsdp_module(state, "load", path)
-    optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
-    # modules without FSDP units: a sharded save stores them with the shards, so they are loaded from there too
-    module_keys = [key for key, obj in state.items() if isinstance(obj, Module) and key != module_key]
-    other_keys = [key for key in state if key != module_key and key not in optimizer_keys + module_keys]
-    requested = optimizer_keys + module_keys + other_keys
     use_orig_params = bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False))
-    request = _FabricLoad(state, module_key, module, optimizer_keys, module_keys, requested, strict, use_orig_params, bool(weights_only))
+    request = _FabricLoad(state, module_key, module, strict, use_orig_params, bool(weights_only))
     remainder = _loading.load(self, path, request)
-    for key in other_keys:
+    for key in request.other_keys:
         if key in remainder:
             _put(state, key, remainder.pop(key))
     return remainder
@@ -153,12 +148,20 @@ class _FabricLoad(_loading.Request):
     """``fabric.load(path, state)``: the FSDP module under ``module_key``, the optimizers and the modules without FSDP
     units beside it, each under its key; rank 0 checks that the checkpoint holds what ``state`` asks for."""
 
-    def __init__(self, state: Mapping[str, Any], module_key: str, module: Any, optimizer_keys: List[str], module_keys: List[str],
-                 requested: List[str], strict: bool, use_orig_params: bool, weights_only: bool) -> None:
+    def __init__(self, state: Mapping[str, Any], module_key: str, module: Any, strict: bool, use_orig_params: bool,
+                 weights_only: bool) -> None:
+        from torch.nn import Module
+        from torch.optim import Optimizer
+
         super().__init__(weights_only)
         self.state, self.module_key, self.module, self.strict = state, module_key, module, strict
         self.use_orig_params = use_orig_params
-        self.optimizer_keys, self.module_keys, self.requested = optimizer_keys, module_keys, requested
+        self.optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
+        # modules without FSDP units: a sharded save stores them with the shards, so they are loaded from there too
+        self.module_keys = [key for key, obj in state.items() if isinstance(obj, Module) and key != module_key]
+        taken = {module_key, *self.optimizer_keys, *self.module_keys}
+        self.other_keys = [key for key in state if key not in taken]  # plain values and other stateful entries
+        self.requested = self.optimizer_keys + self.module_keys + self.other_keys
 
     def check(self, path: Location) -> Tuple[_format.StateDictType, Set[str]]:
         """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""

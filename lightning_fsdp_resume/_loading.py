@@ -206,7 +206,7 @@ def _loadable_keys(path: Location, restore: Restore, expected: Dict[str, Any], s
     return keys
 
 
-# --- optimizer states into the shards, by torch release ---------------------------------------------
+# --- weights and optimizer states into the shards, by torch release ---------------------------------------------
 
 
 def model_parameter_shapes(model: Any) -> Any:
@@ -247,7 +247,7 @@ def load_sharded_optimizer_state(
     """Load optimizer ``key`` of a sharded checkpoint into this rank's shards.
 
     ``model_state`` is the model's sharded state as stored (names without the wrapper prefix), ``shards``
-    the checkpoint's index (``read_shard_index``); ``prefix`` is what the model's parameter names have
+    the checkpoint's index (``Location.read_index``); ``prefix`` is what the model's parameter names have
     before the names the checkpoint stores.
     """
     if compat.new_state_dict_api():

@@ -44,7 +44,7 @@ def _check_sharded(path: Location, weights_only: bool) -> None:
     files = path.listing()  # one listing answers for every file below
     if not files:
         raise ValueError(f"{not_a_checkpoint(path)}: it is an empty directory.")
-    has_meta, has_index = (_listed_size(files, name) is not None for name in (_format.METADATA_FILENAME, _INDEX))
+    has_meta, has_index = (_file_size(files.get(name)) is not None for name in (_format.METADATA_FILENAME, _INDEX))
     if not has_meta and not has_index:
         raise ValueError(
             f"{not_a_checkpoint(path)}: the directory has neither {_format.METADATA_FILENAME!r} nor the shard index"
@@ -60,7 +60,7 @@ def _check_sharded(path: Location, weights_only: bool) -> None:
         raise ValueError(f"The shard index {str(index)!r} cannot be read ({_describe(error)})." + incomplete) from error
     for relative, needed in _bytes_needed(shards).items():
         shard = path / relative
-        size = _listed_size(files, relative) if "/" not in relative else _file_size(shard)
+        size = _file_size(files.get(relative) if "/" not in relative else shard.stat())
         if size is None:
             raise ValueError(f"The shard file {str(shard)!r} is missing." + incomplete)
         if size < needed:
@@ -68,14 +68,8 @@ def _check_sharded(path: Location, weights_only: bool) -> None:
     read_meta(path, weights_only)
 
 
-def _listed_size(files: Dict[str, Any], name: str) -> Optional[int]:
-    """The size of the file ``name`` of a directory's ``listing``; None where it is not a file."""
-    entry = files.get(name)
-    return None if entry is None or entry.is_dir else entry.size
-
-
-def _file_size(path: Location) -> Optional[int]:
-    entry = path.stat()
+def _file_size(entry: Any) -> Optional[int]:
+    """The size of a file a listing or a stat found (a ``_storage`` entry); None where it found no file."""
     return None if entry is None or entry.is_dir else entry.size
 
 

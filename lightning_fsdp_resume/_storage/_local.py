@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from .. import _format
 from .. import _torch_compat as compat
-from ._location import Entry, Location
+from ._location import Entry, Location, not_replaceable
 
 _PARTIAL = ".fsdp-resume-partial-"
 _PREVIOUS = ".fsdp-resume-previous-"
@@ -222,10 +222,7 @@ class LocalLocation(Location):
         if not self.path.is_dir():
             return
         if not (_format.is_replaceable_directory(self.path) and (not full or any(self.path.iterdir()))):
-            raise IsADirectoryError(
-                f"The checkpoint path exists and is a directory: {self.path}. It is not a sharded checkpoint this package"
-                " saved there, so saving would replace its contents. Choose another path or remove the directory."
-            )
+            raise not_replaceable(self)
 
     def missing(self) -> str:
         moved = previous_of(self.path)

@@ -10,6 +10,14 @@ class Entry(NamedTuple):
     size: int = 0
 
 
+def not_replaceable(path: Any) -> IsADirectoryError:
+    """A save's refusal of a directory at its path that is not a sharded checkpoint this package saved there."""
+    return IsADirectoryError(
+        f"The checkpoint path exists and is a directory: {path}. It is not a sharded checkpoint this package"
+        " saved there, so saving would replace its contents. Choose another path or remove the directory."
+    )
+
+
 class Location:
     """A path in one store (see ``_storage``). The methods below are what both stores implement."""
 

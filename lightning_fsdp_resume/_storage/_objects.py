@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from .. import _format
 from .. import _torch_compat as compat
 from .._ranks import describe
-from ._location import Entry, Location
+from ._location import Entry, Location, not_replaceable
 
 _DATA = ".fsdp-resume-data-"  # never contains "last": Lightning's ckpt_path="last" must not pick it
 POINTER_FORMAT = "lightning_fsdp_resume.pointer"
@@ -159,10 +159,7 @@ class ObjectLocation(Location):
     def check_destination(self, full: bool) -> None:
         check_bucket(self)
         if self.is_dir():
-            raise IsADirectoryError(
-                f"The checkpoint path exists and is a directory: {self}. It is not a sharded checkpoint this package"
-                " saved there, so saving would replace its contents. Choose another path or remove the directory."
-            )
+            raise not_replaceable(self)
 
     @contextlib.contextmanager
     def reported(self) -> Iterator[None]:
