@@ -31,21 +31,33 @@ def restore_patch():
 ORDERS = ["shim first", "lightning first"]
 
 
-def _import_order_probe(package: str, order: str) -> str:
-    imports = ["import lightning_fsdp_resume as shim", f"import {package}.strategies.fsdp as fsdp"]
-    if order == "lightning first":
-        imports.reverse()
-    marker = MARKER[FLAVOURS[package].kind]
-    return "\n".join(imports + [f"print(shim.status()[{package!r}].mode, {marker!r} in vars(fsdp.FSDPStrategy))"])
+def _distribution(package: str) -> str:
+    """The packages one interpreter probes together: the ``lightning`` umbrella's flavours (one import of it serves
+    both), and the standalone ``pytorch_lightning`` with the ``lightning_fabric`` it imports."""
+    return "lightning" if package.startswith("lightning.") else "standalone"
 
 
-def _untouched_probe(package: str) -> str:
+def _import_order_probe(packages, order: str) -> str:
+    """Each package's mode and whether its FSDPStrategy has the marker, one line each, with the shim imported before
+    all of them or after."""
+    imports = [f"import {package}.strategies.fsdp" for package in packages]
+    imports = ["import lightning_fsdp_resume as shim", *imports] if order == "shim first" else [*imports, "import lightning_fsdp_resume as shim"]
+    checks = [f"print(shim.status()[{package!r}].mode, {MARKER[FLAVOURS[package].kind]!r} in vars({package}.strategies.fsdp.FSDPStrategy))"
+              for package in packages]
+    return "\n".join(imports + checks)
+
+
+def _untouched_probe(packages) -> str:
+    """For each native package, one line: whether importing the shim after it left its FSDPStrategy as it was."""
+    imports = "; ".join(f"import {package}.strategies.fsdp" for package in packages)
     return f"""
-        import {package}.strategies.fsdp as fsdp
-        before = dict(vars(fsdp.FSDPStrategy))
+        import sys
+        {imports}
+        before = {{p: dict(vars(sys.modules[p + ".strategies.fsdp"].FSDPStrategy)) for p in {list(packages)!r}}}
         import lightning_fsdp_resume as shim
-        after = dict(vars(fsdp.FSDPStrategy))
-        print(before.keys() == after.keys() and all(before[k] is after[k] for k in before), shim.status()[{package!r}].mode)
+        for package, old in before.items():
+            new = dict(vars(sys.modules[package + ".strategies.fsdp"].FSDPStrategy))
+            print(old.keys() == new.keys() and all(old[k] is new[k] for k in old), shim.status()[package].mode)
         """
 
 
@@ -64,12 +76,20 @@ _BARE_PROBE = """
         """
 
 # Fresh interpreters, each mostly an import of Lightning: started together, read by the tests below.
+_GROUPS = {name: [p for p in sorted(INSTALLED) if _distribution(p) == name] for name in {_distribution(p) for p in INSTALLED}}
 PROBES = {
     ("bare",): (_BARE_PROBE, {}),
-    **{("order", package, order): (_import_order_probe(package, order), {}) for package in INSTALLED for order in ORDERS},
-    **{("untouched", package): (_untouched_probe(package), {}) for package in NATIVE},
+    **{("order", name, order): (_import_order_probe(packages, order), {}) for name, packages in _GROUPS.items() for order in ORDERS},
+    **({("untouched",): (_untouched_probe(NATIVE), {})} if NATIVE else {}),
     ("disabled",): (_DISABLED_PROBE, {shim.DISABLE_ENV: "1"}),
 }
+
+
+def _line_of(out: str, packages, package: str) -> str:
+    """A probe's line for ``package``, one of the ``packages`` it probed in that order."""
+    lines = out.splitlines()
+    assert len(lines) == len(packages), out
+    return lines[list(packages).index(package)]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +131,8 @@ def test_each_kind_of_flavour_has_one_table_per_patched_class_or_module():
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("package", sorted(INSTALLED))
 def test_any_import_order_gives_the_same_result(probe, package, order):
-    out = probe("order", package, order)
+    group = _distribution(package)
+    out = _line_of(probe("order", group, order), _GROUPS[group], package)
     marker = MARKER[FLAVOURS[package].kind]
     expected = "patched True" if package in PATCHABLE else "native " + str(marker in vars(strategy_class(package)))
     assert out.split() == expected.split()
@@ -119,7 +140,7 @@ def test_any_import_order_gives_the_same_result(probe, package, order):
 
 @pytest.mark.parametrize("package", NATIVE)
 def test_native_lightning_is_left_untouched(probe, package):
-    assert probe("untouched", package).split() == ["True", "native"]
+    assert _line_of(probe("untouched"), NATIVE, package).split() == ["True", "native"]
 
 
 def test_environment_variable_disables_the_automatic_patch(probe):

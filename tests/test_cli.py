@@ -7,7 +7,7 @@ import torch
 
 from lightning_fsdp_resume import _versions
 from lightning_fsdp_resume.demo import _lightning_version, _report
-from support.marks import needs_consolidate, needs_cpu_fsdp
+from support.marks import long_runs, needs_consolidate, needs_cpu_fsdp
 
 
 def cli(*args, env=None):
@@ -18,6 +18,7 @@ def cli(*args, env=None):
 
 
 @pytest.mark.multirank
+@long_runs
 @needs_cpu_fsdp
 def test_demo_resumes_bit_exactly_and_says_so(tmp_path):
     result = cli("demo", "--epochs", "2", "--stop-after", "1", "--hidden", "8", "--workdir", str(tmp_path))
@@ -33,6 +34,7 @@ def _demo_lightning_is_patched(kind=_versions.TRAINER):
 
 
 @pytest.mark.multirank
+@long_runs
 @needs_cpu_fsdp
 def test_demo_fabric_resumes_bit_exactly_through_fabric_save_and_load(tmp_path):
     """Patched Fabric 2.0.x or native Fabric alike; Fabric's default checkpoint is sharded. Two epochs after the
@@ -47,6 +49,7 @@ def test_demo_fabric_resumes_bit_exactly_through_fabric_save_and_load(tmp_path):
 
 
 @pytest.mark.multirank
+@long_runs
 @needs_cpu_fsdp
 @pytest.mark.skipif(not _demo_lightning_is_patched(_versions.FABRIC), reason="the demo's Fabric is native: stock has no bug to show")
 def test_demo_fabric_compare_stock_shows_stock_fabric_failing_and_the_shim_exact_with_full_files(tmp_path):
@@ -65,6 +68,7 @@ def test_demo_fabric_compare_stock_shows_stock_fabric_failing_and_the_shim_exact
 
 
 @pytest.mark.multirank
+@long_runs
 @needs_cpu_fsdp
 @pytest.mark.skipif(not _demo_lightning_is_patched(), reason="the demo's Lightning is native: stock has no bug to show")
 def test_demo_compare_stock_shows_stock_lightning_wrong_and_the_shim_exact(tmp_path):

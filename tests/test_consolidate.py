@@ -467,6 +467,7 @@ def test_fabric_load_leaves_the_scheduler_steering_the_loaded_optimizer(fabric_r
 
 
 @pytest.mark.multirank
+@long_runs
 @needs_cpu_fsdp
 @needs_consolidate
 def test_fabric_resume_on_2_ranks_from_the_consolidated_file_is_bit_exact(tmp_path):

@@ -44,7 +44,6 @@ def test_sharded_resume_is_bit_exact(reference, tmp_path, use_orig_params, wrap)
     assert info(resumed / "out", "start")["epoch"] == 2
 
 
-@pytest.mark.smoke
 def test_a_torchrun_launch_resumes_the_same_as_the_rank_server(reference, tmp_path):
     """The suite forks its ranks from a process that has already imported Lightning (rank_server.py);
     a resume launched by torchrun itself restores and ends exactly as the forked runs do."""

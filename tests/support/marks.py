@@ -20,8 +20,9 @@ needs_patched_trainer = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Li
 # The same for Fabric's patched classes (Fabric and its FSDPStrategy).
 needs_patched_fabric = pytest.mark.skipif(not PATCHABLE_FABRICS, reason="no Fabric 2.0.x installed: nothing of Fabric is patched")
 
-# Runs that are several torchrun launches of their own (the two-node run, the benchmark's smoke run)
-# are made in one environment of the matrix, for time: tox sets this there.
+# Runs that are several torchrun launches of their own (the demo end to end, a Fabric resume from a consolidated file,
+# the two-node run, the benchmark's smoke run) are made in one environment of the matrix, for time: tox sets this
+# there. Each launch imports Lightning anew in every rank; what they run, the other environments run forked.
 LONG_RUNS_ENV = "LIGHTNING_FSDP_RESUME_LONG_RUNS"
 long_runs = pytest.mark.skipif(
     os.environ.get(LONG_RUNS_ENV) != "1",
