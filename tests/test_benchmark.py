@@ -17,6 +17,8 @@ BENCHMARK = Path(__file__).parent.parent / "benchmarks" / "resume_benchmark.py"
 REMOTE = ["--remote"] if all(importlib.util.find_spec(name) for name in ("moto", "s3fs", "flask")) else []
 # The benchmark's use_orig_params=True needs an optimizer gather torch 2.2 cannot make on the CPU.
 USE_ORIG_PARAMS = "1" if cpu_optimizer_state_supported(True)[0] else "0"
+# One benchmark run is several torchrun launches (up to 4 ranks on a 2-core machine): more than one launch's limit
+BENCHMARK_TIMEOUT_S = 900
 
 
 def _tables(output: str):
@@ -38,7 +40,8 @@ def _tables(output: str):
 @long_runs
 def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_path):
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS, "--repeats", "1",
-                   "--import-repeats", "2", "--workdir", str(tmp_path), *REMOTE], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""})
+                   "--import-repeats", "2", "--workdir", str(tmp_path), *REMOTE], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""},
+                  timeout=BENCHMARK_TIMEOUT_S)
     figures, raw, targets, *remote = _tables(output)
     assert [(r["phase"], r["kind"], r["side"]) for r in figures] == [
         (phase, kind, "shim") for phase in ("save", "resume") for kind in ("sharded", "full")
@@ -76,7 +79,7 @@ def test_scaling_reports_each_size_a_fitted_line_and_a_plot(tmp_path):
     plot = tmp_path / "scaling.png"
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS,
                    "--scaling", "2,4", "--plot", str(plot), "--workdir", str(tmp_path / "work")],
-                  env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""})
+                  env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""}, timeout=BENCHMARK_TIMEOUT_S)
     sizes, targets, fits = _tables(output)
     assert len(sizes) == 2 and float(sizes[0]["state GB"]) <= float(sizes[1]["state GB"]), sizes
     series = ["shim save", "shim stall", "shim resume", "shim consolidate", "raw write", "raw read"]

@@ -30,8 +30,8 @@ def _env(extra=None):
     return env
 
 
-def _run(command: Sequence[str], env=None, expect_failure: bool = False) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(env))
+def _run(command: Sequence[str], env=None, expect_failure: bool = False, timeout: float = TIMEOUT_S) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(env))
     if expect_failure:
         if result.returncode == 0:
             pytest.fail(f"{' '.join(map(str, command))} succeeded but was expected to fail\n{result.stderr[-6000:]}")
