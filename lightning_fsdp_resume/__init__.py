@@ -16,7 +16,8 @@ from ._patcher import NotOutermostError, Patcher
 from ._patches import PatchTable, tables_for
 from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
 
-__all__ = ["patch", "unpatch", "status", "wait_for_saves", "FlavourStatus", "DISABLE_ENV", "RankStates", "BackgroundSaveError"]
+__all__ = ["patch", "unpatch", "status", "wait_for_saves", "FlavourStatus", "DISABLE_ENV", "RankStates", "BackgroundSaveError",
+           "add_safe_globals", "UnsafeCheckpointError"]
 __version__ = "0.1.0"
 
 DISABLE_ENV = "LIGHTNING_FSDP_RESUME_DISABLE"
@@ -132,8 +133,13 @@ def wait_for_saves(obj) -> None:
 
 
 def __getattr__(name: str):
-    """``RankStates`` (Fabric: each rank's RNG states and buffers in a checkpoint) and ``BackgroundSaveError`` (what
-    ``wait_for_saves`` raises), imported on first use."""
+    """``RankStates`` (Fabric: each rank's RNG states and buffers in a checkpoint), ``BackgroundSaveError`` (what
+    ``wait_for_saves`` raises), ``UnsafeCheckpointError`` (a checkpoint refused for what its pickles name) and
+    ``add_safe_globals`` (admit a type in them: torch's own on torch 2.4+), imported on first use."""
+    if name in ("UnsafeCheckpointError", "add_safe_globals"):
+        from . import _unpickling
+
+        return getattr(_unpickling, name)
     if name == "BackgroundSaveError":
         from ._background import BackgroundSaveError
 

@@ -33,7 +33,7 @@ TRAINER_WEIGHTS_ONLY_KEYS = (
 
 def consolidate(
     src: Any, dst: Any, overwrite: bool = False, progress: bool = True, *, weights_only: bool = False,
-    dtype: Optional[str] = None, format: str = TORCH, module: Optional[str] = None,
+    dtype: Optional[str] = None, format: str = TORCH, module: Optional[str] = None, trusted: bool = False,
 ) -> _sharded_reader.Summary:
     """Write the full checkpoint of the sharded checkpoint directory ``src`` to the file ``dst``.
 
@@ -41,12 +41,13 @@ def consolidate(
     ``TRAINER_WEIGHTS_ONLY_KEYS``; Fabric's: its module entries). ``dtype`` (``"bf16"``, ``"fp16"``,
     ``"fp32"``): floating-point weights cast to it, weights-only output only. ``format="safetensors"``:
     one module's weights under its own key names, written tensor by tensor (weights only by nature).
-    ``module``: the Fabric module entry to write, for weights-only output.
+    ``module``: the Fabric module entry to write, for weights-only output. ``trusted``: the checkpoint's pickles
+    may name any callable, which runs as they are read; by default they are read restricted (``_unpickling``).
 
     ``src`` is only read. ``dst`` appears complete or not at all: it is written to a temporary file
     beside it, then renamed (at a URL: copied in one step). Either may be a URL (``_storage``).
     """
-    src, dst = _storage.open_path(src, "read").resolve(), _storage.open_path(dst, "write")
+    src, dst = _storage.open_path(src, "read", trusted).resolve(), _storage.open_path(dst, "write")
     _check_options(weights_only, dtype, format, module)
     _check_destination(src, dst, overwrite)
     _sharded_reader.check_torch()

@@ -79,8 +79,9 @@ def load_checkpoint(
 ) -> Dict[str, Any]:
     """Restore the module and optimizers of ``state`` into their shards, other stateful entries in place and
     plain values by key; returns what the checkpoint holds beyond ``state``. ``state`` may be a module alone
-    (``Fabric.load_raw``): its weights from a full file. ``weights_only`` (Fabric 2.6's): how ``meta.pt`` or
-    the full file is unpickled; None: as every full-trust Lightning checkpoint, not weights only."""
+    (``Fabric.load_raw``): its weights from a full file. ``weights_only`` (Fabric 2.6's): ``False`` trusts the
+    checkpoint's pickles to run any code; ``None`` (the default) and ``True`` unpickle every one restricted
+    (``_unpickling``), before anything loads."""
     from torch.nn import Module
     from torch.optim import Optimizer
 
@@ -92,7 +93,7 @@ def load_checkpoint(
             " reload is required. Pass it in like so: FSDPStrategy.load_checkpoint(..., state={'model': model, ...})"
         )
     if isinstance(state, Module):
-        _load_raw_module(self, path, state, strict, bool(weights_only))
+        _load_raw_module(self, path, state, strict, weights_only)
         return {}
     if isinstance(state, Optimizer):
         raise NotImplementedError(
@@ -101,7 +102,7 @@ def load_checkpoint(
         )
     module_key, module = _the_fsdp_module(state, "load", path)
     use_orig_params = bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False))
-    request = _FabricLoad(state, module_key, module, strict, use_orig_params, bool(weights_only))
+    request = _FabricLoad(state, module_key, module, strict, use_orig_params, weights_only)
     remainder = _loading.load(self, path, request)
     for key in request.other_keys:
         if key in remainder:
@@ -109,7 +110,7 @@ def load_checkpoint(
     return remainder
 
 
-def _load_raw_module(self: Any, path: Any, module: Any, strict: bool, weights_only: bool) -> None:
+def _load_raw_module(self: Any, path: Any, module: Any, strict: bool, weights_only: Optional[bool]) -> None:
     """``Fabric.load_raw(path, module)``: a file holding the module's state dict, loaded into its shards."""
     _loading.load(self, path, _RawLoad(module, strict, weights_only))
 
@@ -117,22 +118,20 @@ def _load_raw_module(self: Any, path: Any, module: Any, strict: bool, weights_on
 class _RawLoad(_loading.Request):
     """``load_raw``: one file of a module's state dict."""
 
-    def __init__(self, module: Any, strict: bool, weights_only: bool) -> None:
+    def __init__(self, module: Any, strict: bool, weights_only: Optional[bool]) -> None:
         super().__init__(weights_only)
         self.module, self.strict = module, strict
 
     def check(self, path: Location) -> Tuple[_format.StateDictType, None]:
         refusal = "Failed to load checkpoint directly into the model. The given path must be a single file containing the full state dict"
-        try:
-            kind, _ = super().check(path)
-        except _verify.MissingCheckpointError as missing:
-            raise _verify.MissingCheckpointError(f"{refusal}: {path}. It does not exist.") from missing
-        if kind != _format.FULL:
-            raise ValueError(
-                f"{refusal}: {path}. It is a sharded checkpoint directory: load it with `fabric.load(path, {{'model': model}})`"
-                " instead."
-            )
-        return kind, None
+        entry = path.stat()
+        if entry is None:
+            raise _verify.MissingCheckpointError(f"{refusal}: {path}. It does not exist.")
+        if entry.is_dir:
+            sharded = any(name in path.listing() for name in (_format.METADATA_FILENAME, _format.DCP_METADATA_FILENAME))
+            advice = "load it with `fabric.load(path, {'model': model})` instead" if sharded else "pass the state dict's file"
+            raise ValueError(f"{refusal}: {path}. It is a {'sharded checkpoint ' if sharded else ''}directory: {advice}.")
+        return super().check(path)
 
     def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> _loading.Restore:
         return _loading.Restore(
@@ -149,7 +148,7 @@ class _FabricLoad(_loading.Request):
     units beside it, each under its key; rank 0 checks that the checkpoint holds what ``state`` asks for."""
 
     def __init__(self, state: Mapping[str, Any], module_key: str, module: Any, strict: bool, use_orig_params: bool,
-                 weights_only: bool) -> None:
+                 weights_only: Optional[bool]) -> None:
         from torch.nn import Module
         from torch.optim import Optimizer
 
@@ -166,7 +165,7 @@ class _FabricLoad(_loading.Request):
     def check(self, path: Location) -> Tuple[_format.StateDictType, Set[str]]:
         """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
         kind, _ = super().check(path)
-        entries = _verify.checkpoint_entries(path, kind, self.weights_only)
+        entries = _verify.checkpoint_entries(path, kind)
         module_key = self.module_key
         missing = [key for key in [module_key, *self.requested] if key not in entries]
         if module_key in missing or (self.strict and missing):
@@ -256,8 +255,15 @@ def _put(state: Dict[str, Any], key: str, value: Any) -> None:
 
 
 def refuse_checkpoint_io(original: Any) -> property:
-    """``checkpoint_io``: Fabric 2.0.x accepted a ``CheckpointIO`` for FSDP and never used it; native 2.1 refuses
-    it when it is set (by ``Fabric(plugins=[...])`` or ``FSDPStrategy(checkpoint_io=...)``, which Fabric sets)."""
+    """``checkpoint_io``: Fabric 2.0.x accepted a ``CheckpointIO`` for FSDP and never used it, and answered with a
+    ``TorchCheckpointIO`` it never used either; native 2.1 raises on reading it, and refuses one when it is set (by
+    ``Fabric(plugins=[...])`` or ``FSDPStrategy(checkpoint_io=...)``, which Fabric sets)."""
+
+    def getter(self: Any) -> Any:
+        raise NotImplementedError(
+            f"The `{type(self).__name__}` does not use the `CheckpointIO` plugin interface: it saves and loads through"
+            " torch.distributed.checkpoint itself."
+        )
 
     def setter(self: Any, io: Any) -> None:
         if io is not None:
@@ -267,7 +273,7 @@ def refuse_checkpoint_io(original: Any) -> property:
             )
         original.fset(self, io)
 
-    return property(original.fget, setter, original.fdel, original.__doc__)
+    return property(getter, setter, original.fdel, original.__doc__)
 
 
 def _refuse_old_torch() -> None:
@@ -339,7 +345,7 @@ def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_onl
     # other strategies of 2.0.x: what native 2.1's base one does, through the strategy's CheckpointIO
     source = _reader.sharded_directory(path)
     if source is not None:
-        _RawLoad(obj, strict, bool(weights_only)).check(source)  # a sharded checkpoint holds no single state dict: refused
+        _RawLoad(obj, strict, weights_only).check(source)  # a sharded checkpoint holds no single state dict: refused
     state = self._strategy.checkpoint_io.load_checkpoint(path)
     if isinstance(obj, DistributedDataParallel):
         obj = obj.module  # the state dict is the module's own, without DDP's "module." prefix

@@ -8,15 +8,39 @@ one location, so each file once. Where torch >= 2.5 allows, weights and optimize
 shards (``_shard_layout``, handed the location's reader); elsewhere through torch's loaders (``_torch_compat``).
 Nothing here knows about patching or about the Trainer or Fabric.
 """
+import contextlib
+import contextvars
 import functools
-import io
 import re
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from . import _background, _format, _shard_layout, _storage, _verify
 from . import _torch_compat as compat
 from ._ranks import broadcast, decided_on_rank_zero, raise_found_on_any_rank, warn_rank_zero
 from ._storage import Location
+
+# The ``weights_only`` given to the Trainer call or ``load_from_checkpoint`` in progress (Lightning 2.6's keyword), for
+# the loads Lightning 2.0.x makes inside it without a parameter to pass it by. None: not given.
+_WEIGHTS_ONLY: "contextvars.ContextVar[Optional[bool]]" = contextvars.ContextVar("weights_only", default=None)
+
+
+@contextlib.contextmanager
+def loads_with(weights_only: Optional[bool]) -> Iterator[None]:
+    """The loads made inside this block take ``weights_only`` where they are given none themselves."""
+    token = _WEIGHTS_ONLY.set(weights_only)
+    try:
+        yield
+    finally:
+        _WEIGHTS_ONLY.reset(token)
+
+
+def trusted(weights_only: Optional[bool] = None) -> bool:
+    """Whether a load may unpickle whatever its checkpoint names: only when ``weights_only=False`` was given, to the
+    load or to the call it runs in (``loads_with``). ``None`` (the default) and ``True`` read every pickle restricted
+    (``_unpickling``)."""
+    if weights_only is None:
+        weights_only = _WEIGHTS_ONLY.get()
+    return weights_only is False
 
 
 class Restore(NamedTuple):
@@ -42,14 +66,13 @@ class Request:
 
     required: Optional[str] = None  # an entry a full checkpoint file must have
 
-    def __init__(self, weights_only: bool = False) -> None:
-        # how ``meta.pt`` or the full file is unpickled (the shards are read by ``torch.distributed.checkpoint``)
-        self.weights_only = weights_only
+    def __init__(self, weights_only: Optional[bool] = None) -> None:
+        self.trusted = trusted(weights_only)  # the user's ``weights_only`` (Lightning 2.6's name), or the call's
 
     def check(self, path: Location) -> Tuple[_format.StateDictType, Any]:
         """Rank 0, before anything loads: the checkpoint's kind once it is complete, and whatever else the caller
         checks (its verdict, which ``plan`` receives on every rank)."""
-        return _verify.checkpoint_kind(path, self.weights_only), None
+        return _verify.checkpoint_kind(path), None
 
     def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> Restore:
         """What to load, given how many optimizer states the checkpoint holds and rank 0's verdict."""
@@ -73,15 +96,15 @@ def load(strategy: Any, path: Any, request: Request) -> Dict[str, Any]:
     checked: Dict[str, Location] = {}
     resolved, kind, verdict = decided_on_rank_zero(strategy, _resolved_and_checked, target, request, checked)
     # rank 0 reads through the location it checked, whose index it has read already
-    path = checked.get(resolved) or _storage.open_path(resolved, "load")
+    path = checked.get(resolved) or _storage.open_path(resolved, "load", request.trusted)
     if kind == _format.SHARDED:
         shards = path.read_index()
         restore = request.plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
         _shard_layout.drop_gathered_copies(restore.module)
         load_sharded(path, restore, shards)
-        rest = _verify.read_meta(path, request.weights_only)
+        rest = _verify.read_meta(path)
     else:
-        rest = _verify.read_full(path, request.required, request.weights_only)
+        rest = _verify.read_full(path, request.required)
         stored = request.take(rest)
         restore = request.plan(path, _format.count_saved_optimizers(stored), verdict)
         optimizer_states = {key: stored[key] for key in restore.optimizers}
@@ -108,7 +131,7 @@ def _check_in_place(path: Location, module: Any) -> None:
 
 
 def _resolved_and_checked(target: str, request: Request, checked: Dict[str, Location]) -> Tuple[str, _format.StateDictType, Any]:
-    path = _storage.open_path(target, "load").resolve()
+    path = _storage.open_path(target, "load", request.trusted).resolve()
     kind, verdict = request.check(path)
     checked[str(path)] = path
     return str(path), kind, verdict
@@ -283,18 +306,15 @@ def load_sharded_optimizer_state(
 
 def _saved_param_groups(path: Location, key: str, index: Any) -> list:
     """Optimizer ``key``'s param groups as saved: pickled objects, read from the shard files directly."""
-    import torch
-
     whole = f"{key}.param_groups"
-    groups: Dict[int, Dict[str, Any]] = {}
+    fields: List[Tuple[Optional[Tuple[int, str]], Any]] = []  # (group, field) or None for the groups as one entry
     for entry, info in index.storage_data.items():
-        fqn = entry.fqn
-        field = re.fullmatch(re.escape(whole) + r"\.(\d+)\.(\w+)", fqn)
-        if fqn != whole and not field:
-            continue
-        # one request of these bytes at a URL, not a read-ahead block
-        value = torch.load(io.BytesIO((path / info.relative_path).read_bytes(info.offset, info.offset + info.length)), weights_only=False)
-        if field is None:  # fqn == whole: the groups saved as one entry
+        field = re.fullmatch(re.escape(whole) + r"\.(\d+)\.(\w+)", entry.fqn)
+        if entry.fqn == whole or field:
+            fields.append(((int(field.group(1)), field.group(2)) if field else None, info))
+    groups: Dict[int, Dict[str, Any]] = {}
+    for (where, _), value in zip(fields, path.load_items([info for _, info in fields])):  # one request a file, at a URL
+        if where is None:  # the groups saved as one entry
             return list(value)
-        groups.setdefault(int(field.group(1)), {})[field.group(2)] = value
+        groups.setdefault(where[0], {})[where[1]] = value
     return [groups[i] for i in sorted(groups)]

@@ -1,5 +1,6 @@
 """The tables of what the shim puts on each patched class: the Trainer's ``FSDPStrategy``, Fabric's
-``FSDPStrategy`` and ``Fabric``; and on the modules that read full checkpoint files.
+``FSDPStrategy`` and ``Fabric``; the ``Trainer``'s and the modules' entry points that load checkpoints; and the
+modules that read full checkpoint files.
 
 Each table names its own target (the module below the flavour's package, the class, the kind of flavour) above
 its rows. They apply to Lightning releases in [``_versions.FIRST_PATCHED``, ``_versions.FIRST_NATIVE``), i.e.
@@ -154,6 +155,26 @@ def LOAD_FROM_CHECKPOINT_PATCHES() -> Rows:
         # layers built in configure_sharded_model exist before the weights load
         "_load_state": Wrap(_reader.wrap_load_state),
     }
+
+
+# Lightning 2.6's weights_only on each call that may load a checkpoint: the loads inside it take it.
+@patches(TRAINER, "trainer.trainer", "Trainer")
+def TRAINER_PATCHES() -> Rows:
+    from . import _strategy
+
+    return {name: Wrap(_strategy.wrap_entry) for name in ("fit", "validate", "test", "predict")}
+
+
+@patches(TRAINER, "core.module", "LightningModule")
+def MODULE_PATCHES() -> Rows:
+    from . import _strategy
+
+    return {"load_from_checkpoint": Wrap(_strategy.wrap_load_from_checkpoint)}
+
+
+@patches(TRAINER, "core.datamodule", "LightningDataModule")
+def DATAMODULE_PATCHES() -> Rows:
+    return MODULE_PATCHES.rows
 
 
 @patches(TRAINER, "callbacks.model_checkpoint", "ModelCheckpoint")

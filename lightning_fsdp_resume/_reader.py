@@ -3,12 +3,16 @@
 Lightning's full-checkpoint readers (``LightningModule.load_from_checkpoint``, a single-device or DDP
 ``ckpt_path=``, Fabric's ``load``/``load_raw`` without FSDP) all call one function, ``cloud_io._load``; the
 patch table wraps it so that a sharded checkpoint directory reads as the full checkpoint ``consolidate`` would
-write, with no process group and no FSDP. Everything else is left to Lightning's own reader.
+write, with no process group and no FSDP, and so that a full file (a path, a URL, a file object) is unpickled
+restricted (``_unpickling``) unless the user gave ``weights_only=False``, to the read or to the call it runs in
+(Lightning 2.0.x's reader unpickles whatever the file names on torch < 2.6, and refuses its own checkpoints on
+torch >= 2.6, whatever the user trusts). It reads as Lightning's does: a file object, an http(s) URL downloaded
+where torch.hub keeps it, any other path or URL through its store.
 """
 import functools
 from typing import Any, Callable, Dict, Optional
 
-from . import _format, _sharded_reader, _storage, _verify
+from . import _format, _loading, _sharded_reader, _signature, _storage, _unpickling, _verify
 from ._patcher import Patcher, Wrap
 from ._storage import Location
 
@@ -18,22 +22,43 @@ def wrap_load(original_load: Callable) -> Callable:
     URL the data its pointer names (``_storage``)."""
 
     @functools.wraps(original_load)
-    def _load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        source = sharded_directory(path_or_url)
-        if source is not None:
+    def _load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
+        trusted = _loading.trusted(weights_only)
+        if hasattr(path_or_url, "read"):  # a file object
+            return _unpickling.torch_load(path_or_url, trusted=trusted, name="the file object given", map_location=map_location)
+        if str(path_or_url).startswith("http"):
+            return _unpickling.torch_load(_downloaded(str(path_or_url)), trusted=trusted, name=repr(str(path_or_url)),
+                                          map_location=map_location)
+        source = _storage.open_path(path_or_url, "load", trusted).resolve()
+        if source.is_dir():
             return read_whole(source, map_location)
-        return original_load(path_or_url, map_location, *args, **kwargs)
+        return source.load(map_location=map_location)
 
+    _load.__signature__ = _signature.with_keyword(original_load, "weights_only", None, Optional[bool])  # type: ignore[attr-defined]
     return _load
 
 
-def sharded_directory(path: Any) -> Optional[Location]:
+def _downloaded(url: str) -> str:
+    """The file at an http(s) ``url``, where ``torch.hub.load_state_dict_from_url`` keeps it (downloaded once)."""
+    import os
+    from urllib.parse import urlparse
+
+    import torch.hub
+
+    cached = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(url).path))
+    if not os.path.exists(cached):
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        torch.hub.download_url_to_file(url, cached)
+    return cached
+
+
+def sharded_directory(path: Any, trusted: bool = False) -> Optional[Location]:
     """The directory to read whole where ``path`` names one (at a URL: the data its pointer names); None otherwise.
     http(s) URLs are Lightning's to download (torch.hub): asking fsspec's http file system whether one is a
-    directory would fetch the whole file as a page of links."""
+    directory would fetch the whole file as a page of links. ``trusted``: its pickles may name any callable."""
     if not _storage.may_be_sharded_directory(path):
         return None
-    source = _storage.open_path(path, "load").resolve()
+    source = _storage.open_path(path, "load", trusted).resolve()
     return source if source.is_dir() else None
 
 

@@ -165,7 +165,8 @@ def _planner(objects: Dict[str, Any], advance: Callable[[int], None]) -> Any:
 
     class FlatLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
-            # Kept apart: dcp.load writes its own copy of the state dict's values back at the end.
+            # Kept apart: dcp.load writes its own copy of the state dict's values back at the end. The location's
+            # reader unpickled these bytes restricted before handing them here, unless the location is trusted.
             objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
 
         def commit_tensor(self, read_item: Any, tensor: Any) -> None:

@@ -188,10 +188,12 @@ def wrap_remove_checkpoint(original_remove_checkpoint: Callable) -> Callable:
     return remove_checkpoint
 
 
-def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
+def load_checkpoint(self: Any, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
     """Weights into the FSDP module and, when fitting, every optimizer's state into its shards; returns the
-    rest of the checkpoint for Lightning to restore (loops, callbacks, schedulers)."""
-    rest = _loading.load(self, checkpoint_path, _TrainerLoad(self))
+    rest of the checkpoint for Lightning to restore (loops, callbacks, schedulers). ``weights_only`` (Lightning 2.6's;
+    None: the Trainer call's, ``wrap_entry``): ``False`` trusts the checkpoint's pickles to run any code; otherwise
+    every one is unpickled restricted, before anything loads."""
+    rest = _loading.load(self, checkpoint_path, _TrainerLoad(self, weights_only))
     states = rest.pop(_rank_states.KEY, None)
     # Evaluation runs with the model's copy of the buffers (rank 0's), as every other reader does.
     if states is not None and _fitting(self):
@@ -201,6 +203,37 @@ def load_checkpoint(self: Any, checkpoint_path: Any) -> Dict[str, Any]:
             # before it saved
             vars(self)[_PENDING_RANK_STATES] = states
     return rest
+
+
+def wrap_entry(original: Callable) -> Callable:
+    """``Trainer.fit``, ``validate``, ``test`` and ``predict`` with Lightning 2.6's ``weights_only=None`` last: the
+    loads the call makes (its ``ckpt_path``, with any strategy) take it. ``False`` trusts the checkpoint to run any
+    code when unpickled; ``None`` and ``True`` admit what Lightning and torch put into checkpoints only."""
+    signature = _signature.with_keyword(original, "weights_only", None, Optional[bool])
+
+    @functools.wraps(original)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        weights_only = bound.arguments.pop("weights_only", None)
+        with _loading.loads_with(weights_only):
+            return original(*bound.args, **bound.kwargs)
+
+    entry.__signature__ = signature  # type: ignore[attr-defined]
+    return entry
+
+
+def wrap_load_from_checkpoint(original: Any) -> classmethod:
+    """``LightningModule`` / ``LightningDataModule.load_from_checkpoint(..., weights_only=None, **kwargs)``, Lightning
+    2.6's keyword: the checkpoint's read takes it (2.0.x would pass it on to the model's ``__init__``)."""
+    function = original.__func__
+
+    @functools.wraps(function)
+    def load_from_checkpoint(cls: Any, *args: Any, weights_only: Optional[bool] = None, **kwargs: Any) -> Any:
+        with _loading.loads_with(weights_only):
+            return function(cls, *args, **kwargs)
+
+    load_from_checkpoint.__signature__ = _signature.with_keyword(function, "weights_only", None, Optional[bool])  # type: ignore[attr-defined]
+    return classmethod(load_from_checkpoint)
 
 
 def wrap_on_train_start(original_on_train_start: Callable) -> Callable:
@@ -221,8 +254,8 @@ class _TrainerLoad(_loading.Request):
 
     required = "state_dict"
 
-    def __init__(self, strategy: Any) -> None:
-        super().__init__()
+    def __init__(self, strategy: Any, weights_only: Optional[bool]) -> None:
+        super().__init__(weights_only)
         self.strategy = strategy
 
     def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> _loading.Restore:

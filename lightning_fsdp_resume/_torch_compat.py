@@ -1,5 +1,6 @@
-"""What differs between torch releases for FSDP state dicts, ``torch.distributed.checkpoint`` and ``torch.load``,
-and nothing else: where files live is ``_storage``'s, how the package loads into shards ``_loading``'s.
+"""What differs between torch releases for FSDP state dicts and ``torch.distributed.checkpoint``, and nothing else:
+where files live is ``_storage``'s, how the package loads into shards ``_loading``'s, how it unpickles
+``_unpickling``'s.
 
 Each function does one thing the same way on every supported torch, choosing the API that release
 expects, by release or by signature (``takes``). torch is imported inside the functions: importing the shim
@@ -18,7 +19,7 @@ _DCP_SAVE_LOAD = (2, 2)
 # From torch 2.3, dcp.save()/dcp.load() may take no_dist; the signature says whether this release's do (2.4's do not).
 _DCP_NO_DIST = (2, 3)
 # torch 2.1 adds torch.load(mmap=True): a full checkpoint is then read lazily, shared by all ranks.
-_LOAD_MMAP = (2, 1)
+LOAD_MMAP = (2, 1)
 # torch 2.0 adds FSDP optimizer state dicts and sharded checkpoints.
 _SHARDED = (2, 0)
 # Consolidating reads a sharded checkpoint in one process; torch 2.2 is the oldest release it is tested on.
@@ -271,23 +272,3 @@ def _run_dcp(verb: str, state: Dict[str, Any], one_process: bool = False, **kwar
             # group even with it. The deprecated calls take no_dist on both.
             warnings.filterwarnings("ignore", category=FutureWarning)
             deprecated(state, no_dist=True, **kwargs)
-
-
-
-def torch_load(source: Any, lazy: bool = False, weights_only: bool = False) -> Any:
-    """``torch.load`` of a Lightning checkpoint onto the CPU, from a filename or a file object.
-
-    ``weights_only=False`` by default, explicitly, because torch 2.6 changed the default and Lightning
-    checkpoints hold more than tensors; ``True`` for a file not trusted to unpickle. ``lazy`` memory-maps a
-    file (a str filename: torch 2.1/2.2 map no Path) where torch allows, so ranks share one copy.
-    """
-    import torch
-
-    if lazy and isinstance(source, str) and torch_release() >= _LOAD_MMAP:
-        try:
-            return torch.load(source, map_location="cpu", weights_only=weights_only, mmap=True)
-        except RuntimeError as error:
-            # Files in torch's legacy (pre-zip) format cannot be memory-mapped; read them whole.
-            if "mmap" not in str(error):
-                raise
-    return torch.load(source, map_location="cpu", weights_only=weights_only)

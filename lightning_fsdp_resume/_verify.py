@@ -5,6 +5,7 @@ from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 from . import _format
 from ._storage import Location
+from ._unpickling import UnsafeCheckpointError
 
 SHARDED, FULL = _format.SHARDED, _format.FULL
 _INDEX = _format.DCP_METADATA_FILENAME
@@ -20,9 +21,10 @@ def not_a_checkpoint(path: Location) -> str:
     return f"The path {str(path)!r} does not point to a valid checkpoint"
 
 
-def checkpoint_kind(path: Location, weights_only: bool = False) -> _format.StateDictType:
-    """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise. ``weights_only``: how
-    ``meta.pt`` may be unpickled."""
+def checkpoint_kind(path: Location) -> _format.StateDictType:
+    """``"sharded"`` or ``"full"`` for a complete checkpoint at ``path``; raises otherwise. Unless ``path`` is trusted,
+    every pickle of a sharded one (its index, its pickled entries, ``meta.pt``) is unpickled restricted here, before
+    anything loads: one that names a callable not admitted raises ``UnsafeCheckpointError``."""
     entry = path.stat()
     if entry is None:
         raise MissingCheckpointError(_missing(path))
@@ -30,7 +32,7 @@ def checkpoint_kind(path: Location, weights_only: bool = False) -> _format.State
         if entry.size == 0:
             raise ValueError(f"The checkpoint file {str(path)!r} is empty. Resume from another checkpoint.")
         return FULL
-    _check_sharded(path, weights_only)
+    _check_sharded(path)
     return SHARDED
 
 
@@ -38,7 +40,7 @@ def _missing(path: Location) -> str:
     return f"{not_a_checkpoint(path)}: it does not exist.{path.missing()}"
 
 
-def _check_sharded(path: Location, weights_only: bool) -> None:
+def _check_sharded(path: Location) -> None:
     index = path / _INDEX
     incomplete = " Its save did not finish or it was damaged; resume from another checkpoint."
     files = path.listing()  # one listing answers for every file below
@@ -56,6 +58,8 @@ def _check_sharded(path: Location, weights_only: bool) -> None:
         raise ValueError(f"The sharded checkpoint {str(path)!r} has no shard index {_INDEX!r}." + incomplete)
     try:
         shards = path.read_index()
+    except UnsafeCheckpointError:
+        raise
     except Exception as error:
         raise ValueError(f"The shard index {str(index)!r} cannot be read ({_describe(error)})." + incomplete) from error
     for relative, needed in _bytes_needed(shards).items():
@@ -65,7 +69,16 @@ def _check_sharded(path: Location, weights_only: bool) -> None:
             raise ValueError(f"The shard file {str(shard)!r} is missing." + incomplete)
         if size < needed:
             raise ValueError(f"The shard file {str(shard)!r} is truncated: {size} bytes, {needed} expected." + incomplete)
-    read_meta(path, weights_only)
+    if not path.trusted:
+        _unpickle_entries(path, shards)
+    read_meta(path)
+
+
+def _unpickle_entries(path: Location, shards: Any) -> None:
+    """Every pickled entry of the index (param groups and the like), unpickled restricted: DCP unpickles them with no
+    restriction, after the weights have loaded."""
+    path.load_items([info for entry, info in shards.storage_data.items()
+                     if not hasattr(shards.state_dict_metadata.get(entry.fqn), "chunks")])  # BytesStorageMetadata
 
 
 def _file_size(entry: Any) -> Optional[int]:
@@ -73,28 +86,32 @@ def _file_size(entry: Any) -> Optional[int]:
     return None if entry is None or entry.is_dir else entry.size
 
 
-def read_meta(path: Location, weights_only: bool = False) -> Dict[str, Any]:
+def read_meta(path: Location) -> Dict[str, Any]:
     """A sharded checkpoint's ``meta.pt``: everything but the model and optimizer states."""
     meta = path / _format.METADATA_FILENAME
     try:
-        content = meta.once(("load", weights_only), lambda: meta.load(weights_only=weights_only))
+        content = meta.once("load", meta.load)
+    except UnsafeCheckpointError:
+        raise
     except Exception as error:
-        cause = _weights_only_refusal(error, weights_only) or "The checkpoint is damaged; resume from another one."
-        raise ValueError(f"{str(meta)!r} cannot be read ({_describe(error)}). {cause}") from error
+        raise ValueError(f"{str(meta)!r} cannot be read ({_describe(error)}). The checkpoint is damaged; resume from"
+                         " another one.") from error
     if not isinstance(content, dict):
         raise ValueError(f"{str(meta)!r} holds a {type(content).__name__}, not a checkpoint's metadata dict.")
     return dict(content)  # the caller's to change; read once per location
 
 
-def read_full(path: Location, required: Optional[str] = "state_dict", weights_only: bool = False) -> Dict[str, Any]:
+def read_full(path: Location, required: Optional[str] = "state_dict") -> Dict[str, Any]:
     """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have."""
     try:
-        checkpoint = path.once(("load", weights_only), lambda: path.load(lazy=True, weights_only=weights_only))
+        checkpoint = path.once("load", lambda: path.load(lazy=True))
+    except UnsafeCheckpointError:
+        raise
     except Exception as error:
-        cause = _weights_only_refusal(error, weights_only) or (
-            "Pass a checkpoint written by `Trainer.save_checkpoint`, `ModelCheckpoint` or `Fabric.save`."
-        )
-        raise ValueError(f"The file {str(path)!r} is not a checkpoint torch can read ({_describe(error)}). {cause}") from error
+        raise ValueError(
+            f"The file {str(path)!r} is not a checkpoint torch can read ({_describe(error)}). Pass a checkpoint"
+            " written by `Trainer.save_checkpoint`, `ModelCheckpoint` or `Fabric.save`."
+        ) from error
     if not isinstance(checkpoint, dict):
         raise ValueError(f"The file {str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint's dict.")
     if required is not None and required not in checkpoint:
@@ -105,28 +122,18 @@ def read_full(path: Location, required: Optional[str] = "state_dict", weights_on
     return dict(checkpoint)  # the caller's to change; read once per location
 
 
-def checkpoint_entries(path: Location, kind: str, weights_only: bool = False) -> Set[Any]:
+def checkpoint_entries(path: Location, kind: str) -> Set[Any]:
     """The top-level entries of a complete checkpoint: a full file's keys; a sharded one's stored objects
     (modules and optimizers, from its index) and the keys of its ``meta.pt``."""
     if kind == FULL:
-        return set(read_full(path, required=None, weights_only=weights_only))
+        return set(read_full(path, required=None))
     shards = path.read_index()
     paths = getattr(shards, "planner_data", None) or {}
     if paths:  # each flattened key's path of nested keys, from the saved dict down
         stored = {nested[0] for nested in paths.values() if nested}
     else:
         stored = {key.partition(".")[0] for key in shards.state_dict_metadata}
-    return stored | set(read_meta(path, weights_only))
-
-
-def _weights_only_refusal(error: BaseException, weights_only: bool) -> str:
-    """What to do when ``weights_only=True`` is why torch refused the file; ``""`` otherwise."""
-    if not weights_only or "weights_only" not in str(error):
-        return ""
-    return (
-        "It was read with `weights_only=True`, which unpickles tensors and plain values only: load it with"
-        " `weights_only=False` if you trust the file."
-    )
+    return stored | set(read_meta(path))
 
 
 def _bytes_needed(shards: Any) -> Dict[str, int]:

@@ -70,6 +70,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         " that memory stays near the largest tensor; weights only, so --weights-only is implied",
     )
     consolidate.add_argument(
+        "--trusted", action="store_true",
+        help="unpickle SRC's metadata with no restriction, running whatever code it names: only for a checkpoint from"
+        " a source you trust that holds types the default refuses (the refusal names them)",
+    )
+    consolidate.add_argument(
         "--module", metavar="NAME", default=None,
         help="a Fabric checkpoint's module entry (the key given to fabric.save) to write alone; with --weights-only or"
         " --format safetensors, and needed for safetensors when the checkpoint holds several modules",
@@ -93,7 +98,8 @@ def run_consolidate(args: argparse.Namespace) -> int:
     weights_only = args.weights_only or args.format == SAFETENSORS
     try:
         summary = consolidate(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet,
-                              weights_only=args.weights_only, dtype=args.dtype, format=args.format, module=args.module)
+                              weights_only=args.weights_only, dtype=args.dtype, format=args.format, module=args.module,
+                              trusted=args.trusted)
     except (OSError, ValueError, NotImplementedError, ImportError, RuntimeError) as error:
         print(f"lightning_fsdp_resume consolidate: error: {error}", file=sys.stderr)
         return 1

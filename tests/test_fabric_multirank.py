@@ -70,6 +70,7 @@ def refusals(fabric_reference, tmp_path_factory):
         assert raised is not None, f"{call} ({state_dict_type}) raised nothing on rank {rank}"
         return raised
 
+    get.scratch = lambda state_dict_type: runs[state_dict_type] / "scratch"
     return get
 
 
@@ -389,6 +390,36 @@ def test_a_checkpoint_io_plugin_is_refused(refusals, state_dict_type):
     """Fabric 2.0.x accepted one and never used it."""
     _assert_refused(refusals, state_dict_type, "set-checkpoint-io", "NotImplementedError",
                     "The `FSDPStrategy` does not support setting a `CheckpointIO` plugin.")
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_reading_the_checkpoint_io_is_refused_as_native_refuses_it(refusals, state_dict_type):
+    """Fabric 2.0.x answered with a ``TorchCheckpointIO`` it never used."""
+    _assert_refused(refusals, state_dict_type, "get-checkpoint-io", "NotImplementedError",
+                    "The `FSDPStrategy` does not use the `CheckpointIO` plugin interface")
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_load_raw_of_a_directory_that_is_no_checkpoint_is_refused_in_natives_words(refusals, state_dict_type):
+    _assert_refused(refusals, state_dict_type, "load-raw-plain-directory", "ValueError",
+                    "Failed to load checkpoint directly into the model. The given path must be a single file containing"
+                    " the full state dict: ")
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's restricted unpickling: native Fabric's is docs/behaviour.md's column")
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@pytest.mark.parametrize("call,ran", [("load-poisoned", "ran-load"), ("load-raw-poisoned", "ran-load-raw")])
+def test_a_checkpoint_whose_pickle_runs_code_is_refused_before_it_runs(refusals, state_dict_type, call, ran):
+    """fabric.load of a checkpoint with code hidden in its meta.pt (sharded) or in the file (full), and load_raw of a
+    state dict file with code hidden in it: refused on every rank, by default, naming the file and what it names;
+    the code never ran (support/poison.py)."""
+    for rank in (0, 1):
+        raised = refusals(state_dict_type, call, rank)
+        assert "UnsafeCheckpointError" in raised["bases"] and "ValueError" in raised["bases"], raised
+        assert re.match(r"Refused to unpickle [^']*'[^']*poisoned[^']*': it names `support\.poison\.ran`, .* `weights_only=False`",
+                        raised["message"]), raised["message"]
+    scratch = refusals.scratch(state_dict_type)
+    assert scratch.is_dir() and not (scratch / ran).exists()
 
 
 # --- every kind of entry in the state -------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Fabric's patched classes in one process: signatures, argument checks, native errors, and the strategies
 the new arguments do not reach. The multi-rank behaviour is in test_fabric_multirank.py."""
-import functools
 import importlib
 import inspect
 
@@ -95,22 +94,23 @@ def test_load_raw_with_ddp_loads_the_modules_own_state_dict(tmp_path, process_gr
 
 
 @pytest.mark.parametrize("kind", ["sharded meta.pt", "full file"])
-def test_weights_only_refuses_other_objects_and_says_what_to_do(tmp_path, kind):
+def test_a_value_it_does_not_admit_is_refused_by_default_and_read_when_trusted(tmp_path, kind):
+    """The checks read ``meta.pt`` and a full file as the load does (``weights_only`` decides ``trusted``)."""
     from fractions import Fraction
 
-    from lightning_fsdp_resume import _verify
+    from lightning_fsdp_resume import UnsafeCheckpointError, _verify
     from lightning_fsdp_resume._storage import open_path
 
-    checkpoint = {"model": {"w": torch.ones(2)}, "ratio": Fraction(1, 3)}  # a value weights_only does not unpickle
+    checkpoint = {"model": {"w": torch.ones(2)}, "ratio": Fraction(1, 3)}  # a value the restricted unpickler refuses
     if kind == "full file":
         torch.save(checkpoint, tmp_path / "c.ckpt")
-        read = functools.partial(_verify.read_full, open_path(tmp_path / "c.ckpt", "load"), None)
+        read = lambda trusted: _verify.read_full(open_path(tmp_path / "c.ckpt", "load", trusted), None)  # noqa: E731
     else:
         torch.save(checkpoint, tmp_path / "meta.pt")
-        read = functools.partial(_verify.read_meta, open_path(tmp_path, "load"))
-    with pytest.raises(ValueError, match=r"read with `weights_only=True`.*`weights_only=False` if you trust the file"):
-        read(weights_only=True)
-    assert read(weights_only=False)["ratio"] == Fraction(1, 3)
+        read = lambda trusted: _verify.read_meta(open_path(tmp_path, "load", trusted))  # noqa: E731
+    with pytest.raises(UnsafeCheckpointError, match=r"names `fractions\.Fraction`.*load it with `weights_only=False`"):
+        read(False)
+    assert read(True)["ratio"] == Fraction(1, 3)
 
 
 def test_not_strict_advice_names_fabrics_argument(tmp_path):

@@ -172,15 +172,40 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
         location(f"{MEMORY}/last.ckpt", "save").dcp_writer()
 
 
-def test_http_checkpoints_are_left_to_lightnings_own_download():
-    """Lightning reads an http(s) URL with torch.hub; the reader's wrap hands it over without asking fsspec (whose
-    http file system would fetch the whole file to see whether it is a directory)."""
-    from lightning_fsdp_resume._reader import wrap_load
+def test_http_checkpoints_are_downloaded_where_torch_hub_keeps_them_and_read_restricted(tmp_path, monkeypatch):
+    """Lightning reads an http(s) URL with torch.hub; so does the reader's wrap, without asking fsspec (whose http file
+    system would fetch the whole file to see whether it is a directory), then unpickles it as any other file: a
+    checkpoint whose pickle names code is refused, one of Lightning's kinds loads. A real server, on 127.0.0.1."""
+    import functools
+    import http.server
+    import threading
 
-    calls = []
-    url = "https://example.invalid/checkpoints/last.ckpt"  # never contacted: .invalid resolves nowhere
-    assert wrap_load(lambda *args: calls.append(args) or "downloaded")(url, "cpu") == "downloaded"
-    assert calls == [(url, "cpu")]
+    import torch
+
+    from lightning_fsdp_resume import UnsafeCheckpointError
+    from lightning_fsdp_resume._reader import wrap_load
+    from support.poison import Hidden
+
+    served = tmp_path / "served"
+    served.mkdir()
+    torch.save({"state_dict": {"w": torch.arange(3.0)}, "hyper_parameters": {"lr": 0.1}}, served / "clean.ckpt")
+    torch.save({"state_dict": {}, "hidden": Hidden(tmp_path / "ran")}, served / "poisoned.ckpt")
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        load = wrap_load(lambda *args: pytest.fail(f"Lightning's own reader was called: {args}"))
+        loaded = load(f"{url}/clean.ckpt", "cpu")
+        assert torch.equal(loaded["state_dict"]["w"], torch.arange(3.0)) and loaded["hyper_parameters"] == {"lr": 0.1}
+        assert (tmp_path / "hub" / "checkpoints" / "clean.ckpt").is_file()  # torch.hub's cache, as Lightning's read
+        with pytest.raises(UnsafeCheckpointError, match=r"Refused to unpickle 'http://127\.0\.0\.1:\d+/poisoned\.ckpt'"):
+            load(f"{url}/poisoned.ckpt", "cpu")
+        assert not (tmp_path / "ran").exists()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_file_urls_are_local_paths(tmp_path):

@@ -18,12 +18,17 @@ from ._location import Location
 from ._objects import ObjectLocation
 
 
-def open_path(target: Any, action: str) -> Location:
+def open_path(target: Any, action: str, trusted: bool = False) -> Location:
     """The location ``target`` (a path or a URL) names. ``file://`` URLs are local paths; any other URL is opened with
     its fsspec implementation, and one that is not installed is refused with what to install. ``action`` ("save",
-    "load", ...) says in that error what could not be done."""
+    "load", ...) says in that error what could not be done. ``trusted``: the pickles read there may name any
+    callable (the user's ``weights_only=False``); otherwise they are read restricted (``Location.trusted``)."""
     if isinstance(target, Location):
         return target
+    return _open(target, action).trusting(trusted)
+
+
+def _open(target: Any, action: str) -> Location:
     text = str(target)
     if not _format.is_url(text):
         return LocalLocation(Path(target))

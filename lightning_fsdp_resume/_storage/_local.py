@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from .. import _format
-from .. import _torch_compat as compat
+from .. import _format, _unpickling
 from ._location import Entry, Location, not_replaceable
 
 _PARTIAL = ".fsdp-resume-partial-"
@@ -172,8 +171,8 @@ class LocalLocation(Location):
             handle.seek(start or 0)
             return handle.read(-1 if end is None else end - (start or 0))
 
-    def load(self, lazy: bool = False, weights_only: bool = False) -> Any:
-        return compat.torch_load(str(self.path), lazy=lazy, weights_only=weights_only)
+    def load(self, lazy: bool = False, map_location: Any = "cpu") -> Any:
+        return _unpickling.torch_load(str(self.path), lazy=lazy, trusted=self.trusted, map_location=map_location)
 
     def save(self, obj: Any) -> None:
         import torch

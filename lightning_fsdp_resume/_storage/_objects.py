@@ -22,7 +22,7 @@ import json
 import posixpath
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .. import _format
+from .. import _format, _unpickling
 from .. import _torch_compat as compat
 from .._ranks import describe
 from ._location import Entry, Location, not_replaceable
@@ -115,9 +115,10 @@ class ObjectLocation(Location):
         if self.exists():
             self.fs.rm(self.path, recursive=True)
 
-    def load(self, lazy: bool = False, weights_only: bool = False) -> Any:
+    def load(self, lazy: bool = False, map_location: Any = "cpu") -> Any:
         # read whole into memory, in one request: an object cannot be memory-mapped
-        return compat.torch_load(io.BytesIO(self.read_bytes()), weights_only=weights_only)
+        data = io.BytesIO(self.read_bytes())
+        return _unpickling.torch_load(data, trusted=self.trusted, name=repr(str(self)), map_location=map_location)
 
     def save(self, obj: Any) -> None:
         """One object: it appears once its upload is complete."""
@@ -154,7 +155,7 @@ class ObjectLocation(Location):
             leftover.remove_object()
 
     def resolve(self) -> "ObjectLocation":
-        return resolve(self)
+        return resolve(self).trusting(self.trusted)
 
     def check_destination(self, full: bool) -> None:
         check_bucket(self)

@@ -33,6 +33,7 @@ if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/f
 from support import models, states  # noqa: E402
 from support.faults import cut_network, kill_during_saves, trace_saves  # noqa: E402
 from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
+from support.poison import FULL_SITE, Hidden, poisoned  # noqa: E402
 from support.s3 import configure, directory  # noqa: E402
 
 Fabric = FABRIC_UNDER_TEST.module().Fabric  # lightning.fabric where lightning is installed, else lightning_fabric
@@ -252,6 +253,17 @@ def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
         calls["save-full-onto-directory"] = lambda: fabric.save(scratch / "plain-dir", {"model": model})
         calls["save-full-onto-empty-directory"] = lambda: fabric.save(scratch / "empty-dir", {"model": model})
     calls["load-raw-missing-path"] = lambda: fabric.load_raw(scratch / "does-not-exist.pt", model)
+    calls["load-raw-plain-directory"] = lambda: fabric.load_raw(scratch / "plain-dir", model)
+    calls["get-checkpoint-io"] = lambda: fabric.strategy.checkpoint_io
+    # a copy of the checkpoint that runs code when unpickled, and a raw state dict file that does (support/poison.py)
+    site = "meta.pt" if sharded else FULL_SITE
+    poisoned_copy = scratch / f"poisoned-{site}.ckpt"
+    if fabric.global_rank == 0:
+        poisoned(checkpoint, poisoned_copy, site, scratch / "ran-load")
+        torch.save({"hidden": Hidden(scratch / "ran-load-raw")}, scratch / "poisoned-raw.pt")
+    fabric.barrier()
+    calls["load-poisoned"] = lambda: fabric.load(poisoned_copy, {"model": model, "optimizer": optimizer})
+    calls["load-raw-poisoned"] = lambda: fabric.load_raw(scratch / "poisoned-raw.pt", model)
     checkpoint_io = FABRIC_UNDER_TEST.module("plugins").TorchCheckpointIO()
     calls["set-checkpoint-io"] = lambda: setattr(fabric.strategy, "checkpoint_io", checkpoint_io)  # as Fabric(plugins=[...]) does
     raised = {}

@@ -266,7 +266,7 @@ def cli_main(argv) -> None:
     args, cli_args = parser.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     enable_cpu_fsdp()
-    checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1)
+    checkpoint = ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{epoch}", save_top_k=-1)
     cli = importlib.import_module(f"{L.__name__}.cli")
     cli.LightningCLI(CliNet, args=cli_args, seed_everything_default=0, save_config_callback=None,
                      trainer_defaults={"callbacks": [checkpoint, Recorder(args.out)]})
@@ -307,18 +307,18 @@ def make_trainer(args, max_epochs: int):
         strategy, devices = "auto", 1
     num_nodes = int(os.environ.get("WORLD_SIZE", "1")) // devices
     if args.last_only:
-        checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=0, save_last=True)
+        checkpoint = ModelCheckpoint(dirpath=str(args.ckpt_dir), save_top_k=0, save_last=True)
     elif args.best_first:
         checkpoint = ModelCheckpoint(
-            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1, monitor="step", mode="min", save_last=True
+            dirpath=str(args.ckpt_dir), filename="{epoch}", save_top_k=-1, monitor="step", mode="min", save_last=True
         )
     elif args.top_k == -1:
         checkpoint = ModelCheckpoint(
-            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1, save_weights_only=args.weights_only
+            dirpath=str(args.ckpt_dir), filename="{epoch}", save_top_k=-1, save_weights_only=args.weights_only
         )
     else:
         checkpoint = ModelCheckpoint(
-            dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=args.top_k, monitor="step", mode="max", save_last=True
+            dirpath=str(args.ckpt_dir), filename="{epoch}", save_top_k=args.top_k, monitor="step", mode="max", save_last=True
         )
     plugins = [TRAINER_UNDER_TEST.module("plugins.io").AsyncCheckpointIO()] if args.async_save else []
     return L.Trainer(
@@ -418,6 +418,8 @@ def main() -> None:
     parser.add_argument("--async-save", action="store_true", help="Trainer(plugins=[AsyncCheckpointIO()])")
     parser.add_argument("--keep-gathered-copies", action="store_true", help="see faults.keep_gathered_copies")
     parser.add_argument("--sharding-strategy", default=None, help="FSDP's, by name (SHARD_GRAD_OP, say); default FULL_SHARD")
+    parser.add_argument("--record-error", action="store_true", help="each rank writes what the call raised to OUT/error_rankN.txt")
+    parser.add_argument("--trust-pickles", action="store_true", help="the call's weights_only=False (Lightning 2.6's keyword)")
     parser.add_argument("--fail", default=None,
                         help="POINT:RANK:SAVE, fail the write there (see kill_during_saves); fit's error goes to OUT/error_rank{rank}.txt")
     parser.add_argument("--trace-saves", type=float, default=None,
@@ -454,21 +456,26 @@ def main() -> None:
     ckpt_path = args.ckpt_path
     if args.other_ranks_ckpt_path is not None and int(os.environ.get("RANK", "0")) > 0:
         ckpt_path = args.other_ranks_ckpt_path
-    if args.fn == "fit" and args.fail:
+    trusted = {"weights_only": False} if args.trust_pickles else {}
+    if args.fail or args.record_error:
         try:  # every rank records what it raised: the first to fail would end the others before they print it
-            trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path)
+            if args.fn == "fit":
+                trainer.fit(model, train_dataloaders=data(), ckpt_path=ckpt_path, **trusted)
+            else:
+                getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=ckpt_path, **trusted)
         except Exception:
             import traceback
 
             (args.out / f"error_rank{os.environ.get('RANK', '0')}.txt").write_text(traceback.format_exc())
     elif args.fn == "fit":
         # before the steps in the same processes, validation too: its forward passes are what FSDP keeps gathered
-        trainer.fit(model, train_dataloaders=data(), val_dataloaders=data() if args.then else None, ckpt_path=ckpt_path)
+        trainer.fit(model, train_dataloaders=data(), val_dataloaders=data() if args.then else None, ckpt_path=ckpt_path,
+                    **trusted)
         if args.trace_saves is not None:
             with open(args.out / f"saves_rank{os.environ.get('RANK', '0')}.txt", "a") as log:
                 log.write("fit-returned\n")
     else:
-        getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=ckpt_path)
+        getattr(trainer, args.fn)(model, dataloaders=data(), ckpt_path=ckpt_path, **trusted)
     if args.then:
         run_steps(args, trainer, model)
     leave_process_group()
