@@ -18,8 +18,9 @@ from ._storage import Location
 
 
 def wrap_load(original_load: Callable) -> Callable:
-    """``cloud_io._load(path_or_url, map_location=None, ...)``, reading a sharded checkpoint too: a directory, or at a
-    URL the data its pointer names (``_storage``)."""
+    """``cloud_io._load(path_or_url, map_location=None, weights_only=None)`` (2.6's parameters): a sharded checkpoint
+    read whole (a directory, or at a URL the data its pointer names: ``_storage``), and a full file unpickled
+    restricted unless ``weights_only=False`` was given to it or to the call it runs in (``_loading.trusted``)."""
 
     @functools.wraps(original_load)
     def _load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:

@@ -48,6 +48,7 @@ RULED = (
     "torch",
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint._fsspec_filesystem",  # torch 2.1 to 2.3: the fsspec storage's own _StorageInfo
     "torch.distributed._shard.sharded_tensor.metadata",
     "torch.distributed._shard.metadata",
 )
