@@ -53,13 +53,13 @@ def _downloaded(url: str) -> str:
     return cached
 
 
-def sharded_directory(path: Any, trusted: bool = False) -> Optional[Location]:
+def sharded_directory(path: Any) -> Optional[Location]:
     """The directory to read whole where ``path`` names one (at a URL: the data its pointer names); None otherwise.
     http(s) URLs are Lightning's to download (torch.hub): asking fsspec's http file system whether one is a
-    directory would fetch the whole file as a page of links. ``trusted``: its pickles may name any callable."""
+    directory would fetch the whole file as a page of links."""
     if not _storage.may_be_sharded_directory(path):
         return None
-    source = _storage.open_path(path, "load", trusted).resolve()
+    source = _storage.open_path(path, "load").resolve()
     return source if source.is_dir() else None
 
 
