@@ -36,6 +36,12 @@ def is_url(path: Any) -> bool:
     return isinstance(path, str) and _URL.match(path) is not None
 
 
+def is_pickled_entry(stored: Any) -> bool:
+    """Whether an entry of a DCP index (a value of ``state_dict_metadata``) is a pickled object rather than a tensor:
+    a ``BytesStorageMetadata``, which has no chunks."""
+    return not hasattr(stored, "chunks")
+
+
 def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 

@@ -138,16 +138,15 @@ def read_flat(src: Location, metadata: Any, progress: bool, keys: Optional[Seque
     """Every stored key (or those of ``keys``), as ``.metadata`` names it, read into tensors allocated once
     at full size."""
     import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     tensors: Dict[str, Any] = {}
     objects: Dict[str, Any] = {}
     for key in metadata.state_dict_metadata if keys is None else keys:
         stored = metadata.state_dict_metadata[key]
-        if isinstance(stored, TensorStorageMetadata):
-            tensors[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
+        if _format.is_pickled_entry(stored):
+            objects[key] = None  # read whole
         else:
-            objects[key] = None  # a pickled object: read whole
+            tensors[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
     total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     bar = Progress(total, f"reading {str(src)!r}", enabled=progress)
     planner = _planner(objects, bar.advance)

@@ -78,7 +78,7 @@ def _unpickle_entries(path: Location, shards: Any) -> None:
     """Every pickled entry of the index (param groups and the like), unpickled restricted: DCP unpickles them with no
     restriction, after the weights have loaded."""
     path.load_items([info for entry, info in shards.storage_data.items()
-                     if not hasattr(shards.state_dict_metadata.get(entry.fqn), "chunks")])  # BytesStorageMetadata
+                     if _format.is_pickled_entry(shards.state_dict_metadata[entry.fqn])])
 
 
 def _file_size(entry: Any) -> Optional[int]:
