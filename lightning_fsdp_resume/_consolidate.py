@@ -241,7 +241,7 @@ def write_atomically(checkpoint: Dict[str, Any], dst: Location) -> None:
     _write_atomically(dst, lambda partial: partial.save(checkpoint))
 
 
-def _write_atomically(dst: Location, write: Callable[[Location], None]) -> None:
+def _write_atomically(dst: Location, write: Callable[[Location], Any]) -> None:
     """``write`` a hidden sibling of ``dst``, flushed to the disk, then renamed over ``dst``; on failure, nothing is left."""
     import secrets
 

@@ -22,6 +22,8 @@ STATE_DICT_TYPES = (FULL, SHARDED)
 METADATA_FILENAME = "meta.pt"
 # torch.distributed.checkpoint's own index of a sharded checkpoint: what each key holds and where.
 DCP_METADATA_FILENAME = ".metadata"
+# The checksums of every file of a sharded checkpoint this package saved (``_checksums``); others read past it.
+CHECKSUMS_FILENAME = "checksums.json"
 MODEL_KEY = "model"
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)(?:\.|$)")
 # The Trainer writes it into every checkpoint, from 2.0 on; Fabric writes only what the user's state holds.
@@ -48,7 +50,7 @@ def optimizer_key(index: int) -> str:
 
 def is_replaceable_directory(path: Path) -> bool:
     """A directory a save may replace: empty, or holding only what a sharded checkpoint holds."""
-    return all(p.name in (METADATA_FILENAME, DCP_METADATA_FILENAME) or p.suffix == ".distcp" for p in path.iterdir())
+    return all(p.name in (METADATA_FILENAME, DCP_METADATA_FILENAME, CHECKSUMS_FILENAME) or p.suffix == ".distcp" for p in path.iterdir())
 
 
 def count_saved_optimizers(storage_keys: Iterable[str]) -> int:

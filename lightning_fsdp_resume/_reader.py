@@ -12,7 +12,7 @@ where torch.hub keeps it, any other path or URL through its store.
 import functools
 from typing import Any, Callable, Dict, Optional
 
-from . import _format, _loading, _sharded_reader, _signature, _storage, _unpickling, _verify
+from . import _checksums, _format, _loading, _sharded_reader, _signature, _storage, _unpickling, _verify
 from ._patcher import Patcher, Wrap
 from ._storage import Location
 
@@ -26,10 +26,13 @@ def wrap_load(original_load: Callable) -> Callable:
     def _load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
         trusted = _loading.trusted(weights_only)
         if hasattr(path_or_url, "read"):  # a file object
+            if path_or_url.seekable():
+                _checksums.check_torch_file(path_or_url, "the file object given")
             return _unpickling.torch_load(path_or_url, trusted=trusted, name="the file object given", map_location=map_location)
         if str(path_or_url).startswith("http"):
-            return _unpickling.torch_load(_downloaded(str(path_or_url)), trusted=trusted, name=repr(str(path_or_url)),
-                                          map_location=map_location)
+            downloaded = _downloaded(str(path_or_url))
+            _checksums.check_torch_file(downloaded, str(path_or_url))
+            return _unpickling.torch_load(downloaded, trusted=trusted, name=repr(str(path_or_url)), map_location=map_location)
         source = _storage.open_path(path_or_url, "load", trusted).resolve()
         if source.is_dir():
             return read_whole(source, map_location)

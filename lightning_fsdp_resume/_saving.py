@@ -122,7 +122,8 @@ def _started(start: Callable[[], Future]) -> Future:
 
 
 def _publish_sharded(partial: Location, path: Location, metadata: Dict[str, Any]) -> None:
-    (partial / _format.METADATA_FILENAME).save(metadata)
+    meta = _format.METADATA_FILENAME
+    partial.seal({meta: (partial / meta).save(metadata)})  # the checksums of every file, written last
     path.publish(partial)
     path.remove_leftovers()
 

@@ -18,6 +18,8 @@ functions.
 import math
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+from . import _torch_compat as compat
+
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # offsets and sizes in a parameter's full shape
 
 
@@ -365,9 +367,7 @@ class ViewsReader:
 
     def read(self, reader: Any) -> None:
         """Through torch DCP's storage ``reader`` (torch >= 2.5, where these loaders run: ``dcp.load``)."""
-        from torch.distributed.checkpoint import load
-
-        load({}, storage_reader=reader, planner=_into_views_planner(self.views))
+        compat.load_distributed({}, reader, _into_views_planner(self.views))
 
 
 def _into_views_planner(views: Dict[str, List[Tuple[Tuple[int, ...], Any]]]) -> Any:

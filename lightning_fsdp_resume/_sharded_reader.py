@@ -248,8 +248,8 @@ def check_torch() -> None:
 class Progress:
     """Bytes done of ``total``: a tqdm bar where tqdm is installed, else a line on stderr every 10%."""
 
-    def __init__(self, total: int, what: str, enabled: bool = True) -> None:
-        self.total, self.what, self.enabled = total, what, enabled
+    def __init__(self, total: int, what: str, enabled: bool = True, command: str = "consolidate") -> None:
+        self.total, self.what, self.enabled, self.command = total, what, enabled, command
         self.done, self._said = 0, -1
         self._bar = None
         if enabled:
@@ -258,7 +258,7 @@ class Progress:
             except ImportError:
                 self._say()
             else:
-                self._bar = tqdm(total=total, desc=f"consolidate: {what}", unit="B", unit_scale=True, file=sys.stderr)
+                self._bar = tqdm(total=total, desc=f"{command}: {what}", unit="B", unit_scale=True, file=sys.stderr)
 
     def advance(self, count: int) -> None:
         self.done += count
@@ -276,5 +276,5 @@ class Progress:
         if percent // 10 > self._said:  # once per tenth crossed
             self._said = percent // 10
             mib = 2**20
-            print(f"consolidate: {self.what}: {percent}% ({self.done / mib:.1f} of {self.total / mib:.1f} MiB)",
+            print(f"{self.command}: {self.what}: {percent}% ({self.done / mib:.1f} of {self.total / mib:.1f} MiB)",
                   file=sys.stderr, flush=True)

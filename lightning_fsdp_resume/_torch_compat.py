@@ -10,6 +10,8 @@ import inspect
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, Tuple
 
+from . import _checksums
+
 # torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict, but
 # its version fails on a rank that holds no shard of a parameter ("Only single local shard is
 # supported": more ranks than rows, or resharding onto more ranks); torch 2.13's does not. So from 2.5.
@@ -252,7 +254,15 @@ def read_distributed_in_one_process(state: Dict[str, Any], reader: Any, planner:
 
 def _run_dcp(verb: str, state: Dict[str, Any], one_process: bool = False, **kwargs: Any) -> None:
     """``dcp.save``/``dcp.load`` (``verb``) of ``state``; in this process alone when asked or when no
-    process group is up, as if it were every rank."""
+    process group is up, as if it were every rank. Damage a reader found on any rank (``_checksums``) is raised as it
+    is on every rank, not as torch's ``CheckpointException``."""
+    try:
+        _call_dcp(verb, state, one_process, **kwargs)
+    except BaseException as error:  # torch's CheckpointException is a BaseException
+        raise _checksums.damage_in(error) or error
+
+
+def _call_dcp(verb: str, state: Dict[str, Any], one_process: bool, **kwargs: Any) -> None:
     import warnings
 
     import torch.distributed.checkpoint as dcp

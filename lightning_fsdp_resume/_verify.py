@@ -3,7 +3,7 @@ is refused with the path, what was found and what to do. Nothing here writes to 
 """
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
-from . import _format
+from . import _checksums, _format
 from ._storage import Location
 from ._unpickling import UnsafeCheckpointError
 
@@ -56,9 +56,15 @@ def _check_sharded(path: Location) -> None:
         raise ValueError(f"{not_a_checkpoint(path)}: the sharded checkpoint has no {_format.METADATA_FILENAME!r}." + incomplete)
     if not has_index:
         raise ValueError(f"The sharded checkpoint {str(path)!r} has no shard index {_INDEX!r}." + incomplete)
+    sums = path.sums()
+    if sums is None:
+        _checksums.unchecked(str(path))
+    else:  # every file the save wrote, at the size it wrote: a truncated or swapped one is refused before any read
+        for relative, file_sums in sums.items():
+            file_sums.check_size(_file_size(files.get(relative) if "/" not in relative else (path / relative).stat()))
     try:
         shards = path.read_index()
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
         raise
     except Exception as error:
         raise ValueError(f"The shard index {str(index)!r} cannot be read ({_describe(error)})." + incomplete) from error
@@ -90,8 +96,8 @@ def read_meta(path: Location) -> Dict[str, Any]:
     """A sharded checkpoint's ``meta.pt``: everything but the model and optimizer states."""
     meta = path / _format.METADATA_FILENAME
     try:
-        content = meta.once("load", meta.load)
-    except UnsafeCheckpointError:
+        content = path.load_checked(_format.METADATA_FILENAME)
+    except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
         raise
     except Exception as error:
         raise ValueError(f"{str(meta)!r} cannot be read ({_describe(error)}). The checkpoint is damaged; resume from"
@@ -105,7 +111,7 @@ def read_full(path: Location, required: Optional[str] = "state_dict") -> Dict[st
     """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have."""
     try:
         checkpoint = path.once("load", lambda: path.load(lazy=True))
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
         raise
     except Exception as error:
         raise ValueError(

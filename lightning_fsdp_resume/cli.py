@@ -1,4 +1,4 @@
-"""The command line: ``demo`` (train, checkpoint, resume, compare), ``status`` and ``consolidate``."""
+"""The command line: ``demo`` (train, checkpoint, resume, compare), ``status``, ``consolidate`` and ``verify``."""
 import argparse
 import sys
 from typing import List, Optional
@@ -80,7 +80,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         " --format safetensors, and needed for safetensors when the checkpoint holds several modules",
     )
 
+    verify = commands.add_parser(
+        "verify",
+        help="check every byte of a checkpoint against the checksums its save wrote",
+        description="Check every byte of a checkpoint, with no model and no process group: a sharded directory against"
+        " the checksums this package's save wrote beside its shards, a full file against the CRC-32s of its zip"
+        " records (any writer's). Nothing is unpickled or written. Exit status 0 when it is whole, 1 with the first"
+        " damage named, 2 when it carries no checksums (native Lightning's sharded checkpoints, torch's legacy format).",
+    )
+    verify.add_argument("path", metavar="PATH", help="the checkpoint directory or file, or its URL (s3://..., any fsspec URL)")
+    verify.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        return run_verify(args)
     if args.command == "demo":
         from .demo import run_demo
 
@@ -115,6 +128,25 @@ def run_consolidate(args: argparse.Namespace) -> int:
     if weights_only:
         held = f"weights only ({args.format}{', ' + args.dtype if args.dtype else ''}): {held}"
     print(f"Wrote {str(args.dst)!r}: {held}, {summary.tensor_bytes / 2**20:.1f} MiB of tensors read.")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Exit status 0 when every byte checked out, 1 when something is damaged or missing, 2 when there is nothing to
+    check against."""
+    from ._integrity import UncheckableError, verify
+
+    try:
+        verified = verify(args.path, progress=not args.quiet)
+    except UncheckableError as error:
+        print(f"lightning_fsdp_resume verify: {error}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, ImportError) as error:
+        print(f"lightning_fsdp_resume verify: error: {error}", file=sys.stderr)
+        return 1
+    mib = verified.bytes / 2**20
+    print(f"{args.path}: whole: {verified.files} file{'s' if verified.files != 1 else ''}, {mib:.1f} MiB checked in"
+          f" {verified.seconds:.2f} s ({mib / max(verified.seconds, 1e-9):.1f} MiB/s)")
     return 0
 
 

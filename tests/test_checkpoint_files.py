@@ -132,24 +132,28 @@ def _damage(path: Path, how: str) -> None:
         (path / "meta.pt").write_bytes(b"garbage")
 
 
+# how -> what is refused without checksums (native's checkpoints), and with them (the shim's): the file, and its size
 SHARDED_DAMAGE = {
-    "no meta.pt": (ValueError, "has no 'meta.pt'"),
-    "meta.pt alone": (ValueError, "has no shard index '.metadata'"),
-    "missing shard": (ValueError, r"The shard file .* is missing"),
-    "truncated shard": (ValueError, r"The shard file .* is truncated: 10 bytes"),
-    "corrupt .metadata": (ValueError, r"The shard index .* cannot be read"),
-    "corrupt meta.pt": (ValueError, r"meta.pt' cannot be read"),
+    "no meta.pt": ("has no 'meta.pt'", "has no 'meta.pt'"),
+    "meta.pt alone": ("has no shard index '.metadata'", "has no shard index '.metadata'"),
+    "missing shard": (r"The shard file .* is missing", r"The checkpoint file .*__0_0.distcp' is missing; its save wrote \d+ bytes"),
+    "truncated shard": (r"The shard file .* is truncated: 10 bytes", r"file .*__0_0.distcp' is 10 bytes; its save wrote \d+ bytes"),
+    "corrupt .metadata": (r"The shard index .* cannot be read", r"file .*\.metadata' is 7 bytes; its save wrote \d+ bytes"),
+    "corrupt meta.pt": (r"meta.pt' cannot be read", r"file .*meta.pt' is 7 bytes; its save wrote \d+ bytes"),
 }
 
 
 @needs_patched_trainer
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "no checksums"])
 @pytest.mark.parametrize("how", sorted(SHARDED_DAMAGE))
-def test_damaged_sharded_checkpoint_is_refused_untouched(tmp_path, process_group, how):
+def test_damaged_sharded_checkpoint_is_refused_untouched(tmp_path, process_group, how, checksums):
     path = save(tmp_path / "damaged.ckpt", 1)
+    if not checksums:
+        (path / "checksums.json").unlink()
     _damage(path, how)
     before = file_hashes(path)
-    error, message = SHARDED_DAMAGE[how]
-    with pytest.raises(error, match=message) as refused:
+    message = SHARDED_DAMAGE[how][checksums]
+    with pytest.raises(ValueError, match=message) as refused:
         _strategy("sharded").load_checkpoint(path)
     assert str(path) in str(refused.value)
     assert file_hashes(path) == before

@@ -100,7 +100,8 @@ def test_truncated_shard_is_refused_on_every_rank(reference, tmp_path):
     shutil.copytree(reference("sharded", 0) / "ckpt" / "epoch=1.ckpt", damaged)
     shard = sorted(damaged.glob("*.distcp"))[-1]
     shard.write_bytes(shard.read_bytes()[:100])
-    _refused(tmp_path / "run", damaged, pattern=r"ValueError: The shard file .* is truncated: 100 bytes")
+    _refused(tmp_path / "run", damaged,
+             pattern=rf"DamagedCheckpointError: The checkpoint file .*{shard.name}' is 100 bytes; its save wrote \d+ bytes")
 
 
 def test_rank_zero_path_wins_when_ranks_disagree(reference, tmp_path):

@@ -422,6 +422,19 @@ def test_a_checkpoint_whose_pickle_runs_code_is_refused_before_it_runs(refusals,
     assert scratch.is_dir() and not (scratch / ran).exists()
 
 
+@pytest.mark.skipif(NATIVE, reason="the shim's checksums: native Fabric loads damaged bytes (docs/behaviour.md)")
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@pytest.mark.parametrize("call", ["load-damaged", "load-raw-damaged"])
+def test_a_damaged_checkpoint_is_refused_on_every_rank(refusals, state_dict_type, call):
+    """fabric.load of a checkpoint with one bit flipped in a tensor (rank 1's shard file, found as rank 1 reads it; the
+    full file, checked before it loads) and load_raw of a damaged state dict file: every rank raises the damage."""
+    for rank in (0, 1):
+        raised = refusals(state_dict_type, call, rank)
+        assert "DamagedCheckpointError" in raised["bases"] and "ValueError" in raised["bases"], raised
+        name = "__1_0.distcp" if (call, state_dict_type) == ("load-damaged", "sharded") else "damaged"
+        assert re.match(rf"The checkpoint file '[^']*{name}[^']*' is damaged", raised["message"]), raised["message"]
+
+
 # --- every kind of entry in the state -------------------------------------------------------------------------
 
 MODULE_BESIDE_BUG = (

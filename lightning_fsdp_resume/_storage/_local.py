@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from .. import _format, _unpickling
+from .. import _checksums, _format, _unpickling
+from .._checksums import Range
 from ._location import Entry, Location, not_replaceable
 
 _PARTIAL = ".fsdp-resume-partial-"
@@ -172,13 +173,22 @@ class LocalLocation(Location):
             return handle.read(-1 if end is None else end - (start or 0))
 
     def load(self, lazy: bool = False, map_location: Any = "cpu") -> Any:
+        _checksums.check_torch_file(str(self.path), str(self))
         return _unpickling.torch_load(str(self.path), lazy=lazy, trusted=self.trusted, map_location=map_location)
 
-    def save(self, obj: Any) -> None:
+    def save(self, obj: Any) -> List[Range]:
         import torch
 
         with open(self.path, "wb") as handle:
-            torch.save(obj, handle)
+            hashing = _checksums.Hashing(handle)
+            torch.save(obj, hashing)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return hashing.close()
+
+    def write_bytes(self, data: bytes) -> None:
+        with open(self.path, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
 
@@ -188,7 +198,7 @@ class LocalLocation(Location):
     def open(self, mode: str = "rb") -> Any:
         return open(self.path, mode)
 
-    def dcp_writer(self) -> Any:
+    def _dcp_writer(self) -> Any:
         import torch.distributed.checkpoint as dcp
 
         return dcp.FileSystemWriter(str(self.path), single_file_per_rank=True)
@@ -204,7 +214,7 @@ class LocalLocation(Location):
     def publish(self, partial: Location) -> None:
         publish(_local(partial), self.path)
 
-    def write_file(self, partial: Location, write: Callable[[Location], None]) -> None:
+    def write_file(self, partial: Location, write: Callable[[Location], Any]) -> None:
         write_file(self.path, _local(partial), lambda written: write(LocalLocation(written)))
 
     def remove(self) -> None:

@@ -1,9 +1,11 @@
 """What every store answers for a checkpoint's place in it: ``Location``, which ``_local`` and ``_objects`` implement."""
 import contextlib
+import dataclasses
 import io
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, TypeVar
 
-from .. import _format, _unpickling
+from .. import _checksums, _format, _unpickling
+from .._checksums import Range, Sums
 
 
 class Entry(NamedTuple):
@@ -96,16 +98,83 @@ class Location:
         for relative, numbers in by_file.items():
             shard = self / relative
             start, end = min(infos[n].offset for n in numbers), max(infos[n].offset + infos[n].length for n in numbers)
-            whole = shard.read_bytes(start, end) if end - start <= _ENTRIES_SPAN else None
+            whole = self.read_checked(relative, start, end) if end - start <= _ENTRIES_SPAN else None
             for n in numbers:
                 offset, length = infos[n].offset, infos[n].length
-                data = shard.read_bytes(offset, offset + length) if whole is None else whole[offset - start:offset - start + length]
+                data = self.read_checked(relative, offset, offset + length) if whole is None else whole[offset - start:offset - start + length]
                 loaded[n] = _unpickling.torch_load(io.BytesIO(data), trusted=self.trusted, name=f"an entry of {str(shard)!r}")
         return [loaded[n] for n in range(len(infos))]
 
-    def save(self, obj: Any) -> None:
-        """``torch.save`` of ``obj`` into the file, durable before it is published."""
+    def save(self, obj: Any) -> List[Range]:
+        """``torch.save`` of ``obj`` into the file, durable before it is published; the ranges hashed as it was written."""
         raise NotImplementedError
+
+    def write_bytes(self, data: bytes) -> None:
+        """A small file written whole, durable before it is published."""
+        raise NotImplementedError
+
+    # --- checksums (``_checksums``) ---
+    def sums(self) -> Optional[Dict[str, Sums]]:
+        """The ranges the save of the sharded checkpoint here hashed, by file (its manifest), read once; None where it
+        has none: native Lightning's, or an older lightning_fsdp_resume's."""
+        manifest = self / _format.CHECKSUMS_FILENAME
+
+        def read() -> Optional[Dict[str, Sums]]:
+            try:
+                data = manifest.read_bytes()
+            except FileNotFoundError:
+                return None
+            return _checksums.parse_manifest(data, str(manifest), str(self))
+
+        return self.once("sums", read)
+
+    def file_sums(self, relative: str) -> Optional[Sums]:
+        """The ranges of the file ``relative`` here; None where the checkpoint has no checksums."""
+        sums = self.sums()
+        if sums is None:
+            return None
+        if relative not in sums:
+            raise _checksums.DamagedCheckpointError(
+                f"The checkpoint file {str(self / relative)!r} is not one its save wrote (its checksums do not list it)."
+                " Resume from another checkpoint."
+            )
+        return sums[relative]
+
+    def read_checked(self, relative: str, start: Optional[int] = None, end: Optional[int] = None) -> bytes:
+        """The bytes of the file ``relative`` here (those in [start, end)), checked against the checkpoint's
+        checksums where it has them: damage raises ``DamagedCheckpointError`` naming the file and the bytes."""
+        sums = self.file_sums(relative)
+        data = (self / relative).read_bytes(start, end)
+        if sums is not None:
+            if start is None and end is None:
+                sums.check_size(len(data))
+            sums.check(data, start or 0)
+        return data
+
+    def load_checked(self, relative: str) -> Any:
+        """``torch.load`` of the small file ``relative`` here (``meta.pt``), its bytes checked first: against the
+        checksums, or against its zip records' CRC-32s where the checkpoint has no checksums."""
+        member = self / relative
+
+        def read() -> Any:
+            data = self.read_checked(relative)
+            if self.sums() is None and _checksums.is_zip(data[:4]):
+                _checksums.check_zip(io.BytesIO(data), str(member))
+            return _unpickling.torch_load(io.BytesIO(data), trusted=self.trusted, name=repr(str(member)))
+
+        return member.once("load", read)
+
+    def written(self) -> Dict[str, List[Range]]:
+        """What torch DCP's writer of this directory wrote on this rank, by file: filled in by its ``finish`` (on the
+        rank that writes ``.metadata``)."""
+        return self.once("written", dict)
+
+    def seal(self, ranges: Dict[str, List[Range]]) -> None:
+        """Write the manifest of the sharded checkpoint here: what DCP wrote and ``ranges`` (``meta.pt``'s)."""
+        files = {**self.written(), **ranges}
+        if _format.DCP_METADATA_FILENAME not in files:
+            return  # not the rank whose DCP writer finished: its checkpoint goes without checksums
+        (self / _format.CHECKSUMS_FILENAME).write_bytes(_checksums.manifest_bytes(files))
 
     def mkdir(self) -> None:
         raise NotImplementedError
@@ -115,7 +184,12 @@ class Location:
         raise NotImplementedError
 
     def dcp_writer(self) -> Any:
-        """torch DCP's storage writer into this directory."""
+        """torch DCP's storage writer into this directory, which hashes what every rank writes (in ranges, one per
+        item; ``_checksums``) and hands it to the rank that writes ``.metadata`` (``written``) through DCP's own
+        gather of the write results."""
+        return _summing(self._dcp_writer(), self)
+
+    def _dcp_writer(self) -> Any:
         raise NotImplementedError
 
     def dcp_reader(self) -> Any:
@@ -135,6 +209,8 @@ class Location:
             return index
 
         reader.read_metadata = read_metadata
+        if self.sums() is not None:
+            _checking(reader, self)
         if not self.trusted:
             read_data = reader.read_data
             reader.read_data = lambda plan, planner: read_data(plan, _CheckedPlanner(planner, str(self)))
@@ -145,8 +221,9 @@ class Location:
         flattened keys with global shapes), where its bytes are (``storage_data``: file, offset, length) and, in
         ``planner_data``, the nested path each flattened key came from. torch's DCP unpickles it with no
         restriction: here it goes through the restricted unpickler unless the location is trusted."""
-        index = self / _format.DCP_METADATA_FILENAME
-        return self.once("index", lambda: _unpickling.loads(index.read_bytes(), repr(str(index)), self.trusted))
+        name = _format.DCP_METADATA_FILENAME
+        index = self / name
+        return self.once("index", lambda: _unpickling.loads(self.read_checked(name), repr(str(index)), self.trusted))
 
     def once(self, key: Any, read: Callable[[], Any]) -> Any:
         """``read()`` the first time ``key`` is asked of this location, its result after: a load checks a checkpoint
@@ -168,7 +245,7 @@ class Location:
         """Make the complete sharded checkpoint at ``partial`` the one here; the one it replaces becomes a leftover."""
         raise NotImplementedError
 
-    def write_file(self, partial: "Location", write: Callable[["Location"], None]) -> None:
+    def write_file(self, partial: "Location", write: Callable[["Location"], Any]) -> None:
         """The one writer of single-file checkpoints: ``write(partial)``, then put it here in one step. This location
         keeps what it held until then; a write that fails leaves nothing behind."""
         raise NotImplementedError
@@ -220,3 +297,108 @@ class _CheckedPlanner:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
+
+
+# --- checksums through torch DCP's writer and reader ---------------------------------------------------------------
+
+
+class _Summed(NamedTuple):
+    """A write result's storage record on its way to the rank that writes ``.metadata``, with its item's ranges."""
+
+    info: Any
+    ranges: List[Range]
+
+
+class _Files:
+    """A DCP writer's or reader's file system (torch >= 2.4), whose streams hash what is written (``written``: the
+    ranges of each file by name) or check what is read (``location``'s checksums). Everything else is its own."""
+
+    def __init__(self, fs: Any, written: Optional[Dict[str, List[Range]]] = None, location: Optional["Location"] = None) -> None:
+        self._fs, self._written, self._location = fs, written, location
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        name = _checksums.relative_name(path)
+        with self._fs.create_stream(path, mode) as raw:
+            if "w" in mode and self._written is not None:
+                hashing = _checksums.Hashing(raw)
+                yield hashing
+                self._written[name] = hashing.close()
+            elif "r" in mode and self._location is not None:
+                sums = self._location.file_sums(name)
+                yield raw if sums is None else _checksums.Checked(raw, sums)
+            else:
+                yield raw
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+def _summing(writer: Any, location: Location) -> Any:
+    """``writer``, hashing what it writes. torch < 2.4's local writer opens its files itself: there each item is read
+    back once written (from the page cache) to be hashed."""
+    written: Dict[str, List[Range]] = {}
+    if hasattr(getattr(writer, "fs", None), "create_stream"):
+        writer.fs = _Files(writer.fs, written=written)
+    write_data, finish = writer.write_data, writer.finish
+
+    def summed_write_data(plan: Any, planner: Any) -> Any:
+        import torch
+
+        results = write_data(plan, planner).wait()
+        summed = [dataclasses.replace(result, storage_data=_Summed(result.storage_data, _item_ranges(location, written, result)))
+                  for result in results]
+        future: Any = torch.futures.Future()
+        future.set_result(summed)
+        return future
+
+    def summed_finish(metadata: Any, results: List[List[Any]]) -> None:
+        files: Dict[str, List[Range]] = {}
+        plain = []
+        for rank_results in results:
+            row = []
+            for result in rank_results:
+                if isinstance(result.storage_data, _Summed):
+                    files.setdefault(result.storage_data.info.relative_path, []).extend(result.storage_data.ranges)
+                    result = dataclasses.replace(result, storage_data=result.storage_data.info)
+                row.append(result)
+            plain.append(row)
+        finish(metadata, plain)
+        name = _format.DCP_METADATA_FILENAME
+        index = [ranges for written_name, ranges in written.items() if written_name.startswith(name)]  # .metadata.tmp
+        files[name] = index[-1] if index else _hashed(location / name, 0, None)
+        location.written().update(files)
+
+    writer.write_data, writer.finish = summed_write_data, summed_finish
+    return writer
+
+
+def _item_ranges(location: Location, written: Dict[str, List[Range]], result: Any) -> List[Range]:
+    info, entry = result.storage_data, result.index.fqn
+    start, end = info.offset, info.offset + info.length
+    if info.relative_path not in written:  # torch < 2.4: read back
+        return [r._replace(entry=entry) for r in _hashed(location / info.relative_path, start, end)]
+    ranges = Sums(info.relative_path, written[info.relative_path]).covering(start, end)
+    return [r._replace(entry=entry) for r in ranges]
+
+
+def _hashed(file: Location, start: int, end: Optional[int]) -> List[Range]:
+    data = file.read_bytes(start, end)
+    return [Range(start, len(data), _checksums.digest(data))]
+
+
+def _checking(reader: Any, location: Location) -> None:
+    """``reader`` hands torch DCP only bytes checked against ``location``'s checksums. torch < 2.4's local reader opens
+    its files itself: there the ranges a plan reads are checked (read once more) before it reads them."""
+    if hasattr(getattr(reader, "fs", None), "create_stream"):
+        reader.fs = _Files(reader.fs, location=location)
+        return
+    read_data = reader.read_data
+
+    def checked_read_data(plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            info = reader.storage_data[item.storage_index]
+            location.read_checked(info.relative_path, info.offset, info.offset + info.length)
+        return read_data(plan, planner)
+
+    reader.read_data = checked_read_data

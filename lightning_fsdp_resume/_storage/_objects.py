@@ -22,8 +22,9 @@ import json
 import posixpath
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .. import _format, _unpickling
+from .. import _checksums, _format, _unpickling
 from .. import _torch_compat as compat
+from .._checksums import Range
 from .._ranks import describe
 from ._location import Entry, Location, not_replaceable
 
@@ -118,16 +119,19 @@ class ObjectLocation(Location):
     def load(self, lazy: bool = False, map_location: Any = "cpu") -> Any:
         # read whole into memory, in one request: an object cannot be memory-mapped
         data = io.BytesIO(self.read_bytes())
+        _checksums.check_torch_file(data, str(self))
         return _unpickling.torch_load(data, trusted=self.trusted, name=repr(str(self)), map_location=map_location)
 
-    def save(self, obj: Any) -> None:
+    def save(self, obj: Any) -> List[Range]:
         """One object: it appears once its upload is complete."""
         import torch
 
         with self.fs.open(self.path, "wb") as handle:
-            torch.save(obj, handle)
+            hashing = _checksums.Hashing(handle)
+            torch.save(obj, hashing)
+        return hashing.close()
 
-    def dcp_writer(self) -> Any:
+    def _dcp_writer(self) -> Any:
         return compat.dcp_fsspec_writer(str(self))
 
     def _dcp_reader(self) -> Any:
@@ -144,7 +148,7 @@ class ObjectLocation(Location):
     def publish(self, partial: Location) -> None:
         commit(_objects(partial), self)
 
-    def write_file(self, partial: Location, write: Callable[[Location], None]) -> None:
+    def write_file(self, partial: Location, write: Callable[[Location], Any]) -> None:
         write_file(self, _objects(partial), write)
 
     def remove(self) -> None:

@@ -18,6 +18,7 @@ separately.
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/f
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import models, states  # noqa: E402
+from support.damage import flipped, largest_item, middle_of_largest_record  # noqa: E402
 from support.faults import cut_network, kill_during_saves, trace_saves  # noqa: E402
 from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
 from support.poison import FULL_SITE, Hidden, poisoned  # noqa: E402
@@ -262,6 +264,21 @@ def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
         poisoned(checkpoint, poisoned_copy, site, scratch / "ran-load")
         torch.save({"hidden": Hidden(scratch / "ran-load-raw")}, scratch / "poisoned-raw.pt")
     fabric.barrier()
+    # a copy with one bit flipped in a tensor (of rank 1's shard file), and a damaged state dict file (support/damage.py)
+    damaged_copy, damaged_raw = scratch / "damaged.ckpt", scratch / "damaged-raw.pt"
+    if fabric.global_rank == 0:
+        if sharded:
+            shutil.copytree(checkpoint, damaged_copy)
+            offset, length, *_ = largest_item(damaged_copy, "__1_0.distcp")
+            flipped(damaged_copy / "__1_0.distcp", offset + length // 2)
+        else:
+            shutil.copyfile(checkpoint, damaged_copy)
+            flipped(damaged_copy, middle_of_largest_record(damaged_copy))
+        torch.save({name: torch.ones(64) for name in ("a", "b")}, damaged_raw)
+        flipped(damaged_raw, middle_of_largest_record(damaged_raw))
+    fabric.barrier()
+    calls["load-damaged"] = lambda: fabric.load(damaged_copy, {"model": model, "optimizer": optimizer})
+    calls["load-raw-damaged"] = lambda: fabric.load_raw(damaged_raw, model)
     calls["load-poisoned"] = lambda: fabric.load(poisoned_copy, {"model": model, "optimizer": optimizer})
     calls["load-raw-poisoned"] = lambda: fabric.load_raw(scratch / "poisoned-raw.pt", model)
     checkpoint_io = FABRIC_UNDER_TEST.module("plugins").TorchCheckpointIO()

@@ -39,6 +39,8 @@ def poisoned(src: Path, dst: Path, site: str, marker: Path) -> Path:
     """A copy of the checkpoint ``src`` at ``dst`` whose ``site`` runs ``ran(marker)`` when unpickled."""
     if src.is_dir():
         shutil.copytree(src, dst)
+        # whoever rewrites a pickle drops the checksums too (they would refuse the rewritten file as damaged first)
+        (dst / "checksums.json").unlink(missing_ok=True)
     else:
         shutil.copyfile(src, dst)
     if site in (FULL_SITE, "meta.pt"):

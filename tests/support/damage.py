@@ -1,0 +1,63 @@
+"""Damage as disks and copies make it: one bit flipped in a checkpoint file, at positions of every kind of its bytes
+(the ranges a sharded save hashed, a torch zip file's records and headers)."""
+import json
+import struct
+import zipfile
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+
+def flipped(path: Path, position: int, bit: int = 0) -> None:
+    """Flip one bit of ``path`` in place (flipping it again undoes it)."""
+    data = bytearray(path.read_bytes())
+    data[position] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def manifest(directory: Path) -> dict:
+    """The ranges a sharded save hashed, by file: [offset, length, digest, entry]."""
+    return json.loads((directory / "checksums.json").read_text())["files"]
+
+
+def largest_item(directory: Path, name: str) -> List:
+    """The largest range of shard file ``name``: a tensor's [offset, length, digest, entry]."""
+    return max(manifest(directory)[name], key=lambda r: r[1])
+
+
+def sharded_positions(directory: Path) -> Iterator[Tuple[str, int]]:
+    """Positions in every file of a sharded checkpoint: its first and last byte, and the first, middle and last byte of
+    every fourth range its save hashed (pickled entries and tensors of the shards; the zip records of ``meta.pt``)."""
+    for name, ranges in sorted(manifest(directory).items()):
+        size = (directory / name).stat().st_size
+        positions = {0, size - 1}
+        for offset, length, *_ in ranges[:: max(1, len(ranges) // 4)]:
+            positions |= {offset, offset + length // 2, offset + length - 1}
+        for position in sorted(positions):
+            yield name, position
+
+
+def zip_positions(path: Path) -> List[int]:
+    """Positions in a torch zip file: every record's first, middle and last byte, and the fields of its local header, data
+    descriptor and central directory entry that say where and what it is (name, sizes, CRC-32)."""
+    positions, data = [], path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        central = data.rfind(b"PK\x01\x02")  # the last central directory entry
+        for info in archive.infolist():
+            name_length, extra_length = struct.unpack("<2H", data[info.header_offset + 26:info.header_offset + 30])
+            start = info.header_offset + 30 + name_length + extra_length
+            if info.file_size:
+                positions += [start, start + info.file_size // 2, start + info.file_size - 1]
+            positions += [info.header_offset + 14, info.header_offset + 18, info.header_offset + 30]  # CRC, size, name
+            if info.flag_bits & 0x08:  # its CRC-32 and sizes follow the data, in a descriptor
+                after = start + info.compress_size
+                positions.append(after + (4 if data[after:after + 4] == b"PK\x07\x08" else 0))
+    return sorted(set(positions + [central + 16, central + 46]))
+
+
+def middle_of_largest_record(path: Path) -> int:
+    """A byte in the middle of a torch zip file's largest record (a tensor)."""
+    data = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    name_length, extra_length = struct.unpack("<2H", data[info.header_offset + 26:info.header_offset + 30])
+    return info.header_offset + 30 + name_length + extra_length + info.file_size // 2

@@ -1,0 +1,167 @@
+"""A damaged checkpoint is refused, never trained on: every byte a save writes is hashed as it is written, and checked
+on every read before anything uses it (``_checksums``); a full file's zip CRC-32s are checked, whoever wrote it.
+
+Damage is made as disks and copies make it: one bit flipped, at many positions of every kind of file (payload and
+headers), a file cut short, a shard swapped in from another save of the same run. Each is refused naming the file, by
+``verify`` and by the loads users make (the Trainer's resume on 2 ranks, ``load_from_checkpoint``, ``consolidate``,
+a checkpoint at a URL); clean checkpoints load everywhere else in the suite, through the same checks.
+"""
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from lightning_fsdp_resume._checksums import DamagedCheckpointError
+from support.damage import flipped, largest_item, manifest, sharded_positions, zip_positions
+from support.flavours import NATIVE
+from support.marks import needs_cpu_fsdp
+from support.ranks import MID, config, worker
+
+patched_only = pytest.mark.skipif(NATIVE, reason="the shim's checksums")
+DAMAGE = r"The checkpoint file '[^']*{name}'? is (damaged|\d+ bytes|missing)"
+
+
+def _net():
+    from support import trainer_worker
+
+    return trainer_worker.Net
+
+
+@pytest.fixture(scope="module")
+def checkpoints(reference):
+    """The reference run's sharded and full checkpoints after epoch 1."""
+    return {kind: reference(kind, 0) / "ckpt" / MID for kind in ("sharded", "full")}
+
+
+@needs_cpu_fsdp
+@patched_only
+def test_a_sharded_save_hashes_every_byte_of_every_file_per_item(checkpoints):
+    """Every file but the manifest is listed, its ranges lie back to back over all of it and hash as stored; each item
+    of the DCP index is exactly one range, named by its entry."""
+    import pickle
+
+    directory = checkpoints["sharded"]
+    files = manifest(directory)
+    assert set(files) == {p.name for p in directory.iterdir()} - {"checksums.json"}
+    for name, ranges in files.items():
+        data, at = (directory / name).read_bytes(), 0
+        for offset, length, digest, _ in ranges:
+            assert offset == at and xxhash.xxh3_64_hexdigest(data[offset:offset + length]) == digest
+            at += length
+        assert at == len(data)
+    index = pickle.loads((directory / ".metadata").read_bytes())
+    by_place = {(name, offset, length): entry for name, ranges in files.items() for offset, length, _, entry in ranges}
+    for key, info in index.storage_data.items():
+        assert by_place[(info.relative_path, info.offset, info.length)] == key.fqn
+
+
+@needs_cpu_fsdp
+@patched_only
+def test_verify_passes_whole_checkpoints_and_names_the_first_damage(checkpoints, tmp_path, capsys):
+    from lightning_fsdp_resume.cli import main
+
+    for kind, checkpoint in checkpoints.items():
+        assert main(["verify", str(checkpoint)]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert re.search(r"whole: \d+ files?, [\d.]+ MiB checked in [\d.]+ s \([\d.]+ MiB/s\)", out), out
+    damaged = shutil.copytree(checkpoints["sharded"], tmp_path / "sharded")
+    for name, position in list(sharded_positions(damaged)):
+        flipped(damaged / name, position)
+        assert main(["verify", str(damaged)]) == 1, (name, position)
+        assert re.search(DAMAGE.format(name=re.escape(name)), capsys.readouterr().err), (name, position)
+        flipped(damaged / name, position)
+    full = Path(shutil.copyfile(checkpoints["full"], tmp_path / "full.ckpt"))
+    for position in zip_positions(full):
+        flipped(full, position, bit=5)
+        assert main(["verify", str(full)]) == 1, position
+        assert re.search(DAMAGE.format(name="full.ckpt"), capsys.readouterr().err), position
+        flipped(full, position, bit=5)
+    assert main(["verify", str(damaged)]) == 0 and main(["verify", str(full)]) == 0
+
+
+@needs_cpu_fsdp
+@patched_only
+def test_every_flipped_bit_is_refused_by_load_from_checkpoint_and_consolidate(checkpoints, tmp_path, capsys):
+    from lightning_fsdp_resume.cli import main
+
+    damaged = shutil.copytree(checkpoints["sharded"], tmp_path / "sharded")
+    for name, position in list(sharded_positions(damaged)):
+        flipped(damaged / name, position, bit=7)
+        with pytest.raises(DamagedCheckpointError, match=DAMAGE.format(name=re.escape(name))):
+            _net().load_from_checkpoint(damaged)
+        assert main(["consolidate", str(damaged), str(tmp_path / "out.ckpt"), "--quiet"]) == 1
+        assert re.search(DAMAGE.format(name=re.escape(name)), capsys.readouterr().err), (name, position)
+        assert not (tmp_path / "out.ckpt").exists()
+        flipped(damaged / name, position, bit=7)
+    full = Path(shutil.copyfile(checkpoints["full"], tmp_path / "full.ckpt"))
+    for position in zip_positions(full):
+        flipped(full, position, bit=7)
+        with pytest.raises(DamagedCheckpointError, match=DAMAGE.format(name="full.ckpt")):
+            _net().load_from_checkpoint(full)
+        flipped(full, position, bit=7)
+    _net().load_from_checkpoint(damaged)  # each flip undone: whole again
+    _net().load_from_checkpoint(full)
+
+
+@needs_cpu_fsdp
+@patched_only
+def test_a_truncated_file_and_a_shard_from_another_save_of_the_run_are_refused(reference, tmp_path):
+    run = reference("sharded", 0) / "ckpt"
+    swapped = shutil.copytree(run / MID, tmp_path / "swapped")
+    other = run / "epoch=0.ckpt" / "__1_0.distcp"
+    assert other.stat().st_size == (swapped / "__1_0.distcp").stat().st_size  # the sizes cannot tell them apart
+    shutil.copyfile(other, swapped / "__1_0.distcp")
+    with pytest.raises(DamagedCheckpointError, match=DAMAGE.format(name="__1_0.distcp") + r": bytes \d+-\d+ \(the entry '"):
+        _net().load_from_checkpoint(swapped)
+    cut = shutil.copytree(run / MID, tmp_path / "cut")
+    data = (cut / "__0_0.distcp").read_bytes()
+    (cut / "__0_0.distcp").write_bytes(data[:-1])
+    with pytest.raises(DamagedCheckpointError, match=rf"file '[^']*__0_0.distcp' is {len(data) - 1} bytes; its save wrote {len(data)} bytes"):
+        _net().load_from_checkpoint(cut)
+
+
+@needs_cpu_fsdp
+@patched_only
+def test_a_checkpoint_without_checksums_loads_and_says_it_could_not_be_verified(checkpoints, tmp_path, capsys):
+    from lightning_fsdp_resume.cli import main
+
+    plain = shutil.copytree(checkpoints["sharded"], tmp_path / "native-like")
+    (plain / "checksums.json").unlink()
+    with pytest.warns(UserWarning, match=r"carries no checksums .*: its bytes could not be verified"):
+        _net().load_from_checkpoint(plain)
+    assert main(["verify", str(plain)]) == 2
+    assert "carries no checksums" in capsys.readouterr().err
+
+
+@needs_cpu_fsdp
+@patched_only
+@pytest.mark.multirank
+def test_the_trainer_refuses_a_damaged_shard_on_every_rank_before_it_trains(reference, tmp_path):
+    """A flipped bit in a tensor of rank 1's shard file: both ranks raise the damage (found by rank 1 as it reads) and
+    no step runs, so no checkpoint is written."""
+    checkpoint = shutil.copytree(reference("sharded", 0) / "ckpt" / MID, tmp_path / "damaged.ckpt")
+    offset, length, _, entry = largest_item(checkpoint, "__1_0.distcp")
+    flipped(checkpoint / "__1_0.distcp", offset + length - 1)
+    root = tmp_path / "run"
+    worker(root, *config(root, "sharded", 0), "--max-epochs", 3, "--ckpt-path", checkpoint, "--record-error")
+    for rank in range(2):
+        error = (root / "out" / f"error_rank{rank}.txt").read_text()
+        assert re.search(r"DamagedCheckpointError: " + DAMAGE.format(name="__1_0.distcp") + rf": bytes {offset}-"
+                         rf"{offset + length} \(the entry '{re.escape(entry)}'\)", error), error
+    assert not list((root / "ckpt").glob("epoch=*"))
+
+
+@needs_cpu_fsdp
+@patched_only
+def test_damage_at_a_url_is_refused(checkpoints, s3_server, bucket, tmp_path):
+    import fsspec
+
+    damaged = shutil.copytree(checkpoints["sharded"], tmp_path / "damaged")
+    offset, length, *_ = manifest(damaged)["__0_0.distcp"][-1]
+    flipped(damaged / "__0_0.distcp", offset + length // 2)
+    url = f"{bucket}/damaged"
+    fsspec.filesystem("s3").put(str(damaged), url, recursive=True)
+    with pytest.raises(DamagedCheckpointError, match=DAMAGE.format(name=re.escape("__0_0.distcp"))):
+        _net().load_from_checkpoint(url)
