@@ -124,6 +124,19 @@ def data(width: int, outputs: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
 
 
+def without_checksums() -> None:
+    """The shim as it would be without checksums: saves hash nothing and write no manifest, reads check nothing (the
+    benchmark's baseline for their cost; the package itself has no such switch)."""
+    from lightning_fsdp_resume import _checksums
+    from lightning_fsdp_resume._storage import _location
+
+    _location._summing = lambda writer, location: writer
+    _location.Location.sums = lambda self: None
+    _location.Location.seal = lambda self, ranges: None
+    _checksums.check_torch_file = lambda source, name: None
+    _checksums.check_zip = lambda source, name: None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=["save", "resume"], required=True)
@@ -137,7 +150,11 @@ def main(argv=None) -> None:
     # the shim's sharded resume once failed there ("Missing key in checkpoint state_dict: ...param_groups").
     parser.add_argument("--outputs", type=int, default=8)
     parser.add_argument("--async-save", action="store_true", help="save with Trainer(plugins=[AsyncCheckpointIO()])")
+    parser.add_argument("--no-checksums", action="store_true",
+                        help="the shim with its checksums switched off in this process: what they cost, by difference")
     args = parser.parse_args(argv)
+    if args.no_checksums:
+        without_checksums()
 
     enable_cpu_fsdp()
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy

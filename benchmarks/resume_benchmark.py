@@ -45,6 +45,8 @@ RANKS = 2
 PHASES = ("save", "resume")
 KINDS = ("sharded", "full")
 ASYNC = "async save"  # the shim's sharded save with AsyncCheckpointIO, measured until the checkpoint is in place
+UNCHECKED = "no checksums"  # the shim with its checksums switched off in the rank processes: their cost, by difference
+CHECKSUM_PHASES = (("save", "sharded"), ("resume", "sharded"), ("resume", "full"))  # where checksums add work
 MB = 1e6
 
 # The targets, as data: each is checked against the figures and printed with them.
@@ -58,6 +60,10 @@ RAW_TARGET_MIN_STATE = 1.5e9
 ASYNC_STALL_RATIO_LIMIT = 0.2
 # each rank's peak growth during a sharded save: its shard + the allowance (synchronous), 2 × its shard (background)
 ASYNC_GROWTH_SHARDS = 2.0
+# what checksums add to a save or a resume (hashing as it writes, checking as it reads), from RAW_TARGET_MIN_STATE
+CHECKSUM_COST_LIMIT = 0.03
+# ``verify`` of a sharded checkpoint read cold, against a cold read of as many bytes
+VERIFY_RAW_RATIO_LIMIT = 1.2
 
 
 def _env() -> Dict[str, str]:
@@ -90,8 +96,9 @@ def launch(python: str, phase: str, kind: str, checkpoint: Any, out: Path, args:
 def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path, raw: Dict[str, List[Dict]],
             kinds: Sequence[str] = KINDS) -> Dict[Tuple[str, str, str], List]:
     """``{(phase, kind, side): [per-repeat list of rank records]}``, the sides interleaved run by run, and the shim's
-    sharded save with AsyncCheckpointIO (phase ``ASYNC``). Into ``raw``, per kind, the raw I/O of as many bytes as the
-    shim's checkpoint holds, on the same disk, each repeat."""
+    sharded save with AsyncCheckpointIO (phase ``ASYNC``), the shim without its checksums (side ``UNCHECKED``) and
+    ``verify`` of its sharded checkpoint, read cold (phase "verify"). Into ``raw``, per kind, the raw I/O of as many
+    bytes as the shim's checkpoint holds, on the same disk, each repeat."""
     results: Dict[Tuple[str, str, str], List] = {}
     for repeat in range(args.repeats):
         for kind in kinds:
@@ -106,11 +113,36 @@ def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir:
                     print(f"repeat {repeat + 1}/{args.repeats}: shim   {kind:<7} {ASYNC}", file=sys.stderr, flush=True)
                     records = launch(python, "save", kind, run_dir / "async-checkpoint", run_dir, args, extra=["--async-save"])
                     results.setdefault((ASYNC, kind, side), []).append(records)
+                    results.setdefault(("verify", kind, side), []).append([verify_cold(python, checkpoint)])
+                if side == "shim":
+                    for phase, checked_kind in CHECKSUM_PHASES:
+                        if checked_kind != kind:
+                            continue
+                        print(f"repeat {repeat + 1}/{args.repeats}: shim   {kind:<7} {phase}, {UNCHECKED}", file=sys.stderr, flush=True)
+                        target = checkpoint if phase == "resume" else run_dir / "unchecked-checkpoint"
+                        unchecked = run_dir / "unchecked"
+                        records = launch(python, phase, kind, target, unchecked, args, extra=["--no-checksums"])
+                        results.setdefault((phase, kind, UNCHECKED), []).append(records)
                 if side == "shim":
                     print(f"repeat {repeat + 1}/{args.repeats}: raw I/O of the {kind} checkpoint's bytes", file=sys.stderr, flush=True)
                     raw.setdefault(kind, []).append(raw_io(run_dir, _bytes_of(checkpoint)))
                 shutil.rmtree(run_dir)  # a few hundred MB each
     return results
+
+
+def verify_cold(python: str, checkpoint: Path) -> Dict[str, float]:
+    """``verify`` of ``checkpoint`` in a new process, its files' pages dropped from the page cache first (where the
+    platform allows): the seconds of the check itself, and the bytes it checked."""
+    for path in [checkpoint] if checkpoint.is_file() else sorted(p for p in checkpoint.rglob("*") if p.is_file()):
+        with open(path, "rb") as handle:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    program = ("import json, sys; from lightning_fsdp_resume._integrity import verify;"
+               " print(json.dumps(verify(sys.argv[1], progress=False)._asdict()))")
+    result = subprocess.run([python, "-c", program, str(checkpoint)], capture_output=True, text=True, env=_env(), check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"verify of {checkpoint} exited {result.returncode}:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _bytes_of(checkpoint: Path) -> int:
@@ -191,8 +223,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: argparse.Namespace,
            raw: Optional[Dict[str, List[Dict]]] = None) -> str:
-    sides = sorted({side for _, _, side in figures}, key=["shim", "native"].index)
-    any_figures = next(iter(figures.values()))
+    sides = [side for side in ("shim", "native") if ("save", "sharded", side) in figures]
+    any_figures = figures[("save", "sharded", "shim")]
     lines = [
         f"{RANKS} ranks, CPU (gloo), torch {any_figures.torch}, {os.cpu_count()} CPU cores; model {args.layers} layers"
         f" × width {args.width}, full state {_mb(any_figures.full_state)} MB (parameters + Adam moments);"
@@ -237,6 +269,22 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
                   " or read cold, in the same run (a resume reads a checkpoint just written, from the page cache).", "",
                   table(["phase", "kind", "checkpoint MB", "shim s", "raw I/O s", "shim/raw"], rows)]
 
+    costs = {}
+    rows = []
+    for phase, kind in CHECKSUM_PHASES:
+        with_sums, without = figures[(phase, kind, "shim")].time, figures[(phase, kind, UNCHECKED)].time
+        costs[(phase, kind)] = with_sums / without - 1 if without > 0 else None
+        rows.append([phase, kind, f"{with_sums:.3f}", f"{without:.3f}", _percent(costs[(phase, kind)])])
+    verify_figures = raw_verify(figures, raw)
+    verified = verify_figures[0] if verify_figures else None
+    lines += ["", f"Checksums: the shim against itself with them switched off ({UNCHECKED}, in the same run); and"
+              " `verify` of the sharded checkpoint read cold, against a cold read of as many bytes.", "",
+              table(["phase", "kind", "shim s", f"{UNCHECKED} s", "cost"], rows)]
+    if verified is not None:
+        lines += ["", f"verify: {_mb(verified['bytes'])} MB in {verified['seconds']:.3f} s"
+                  f" ({verified['bytes'] / MB / max(verified['seconds'], 1e-9):.0f} MB/s); cold read of as many bytes"
+                  f" {verified['raw']:.3f} s."]
+
     sharded = figures[("resume", "sharded", "shim")]
     allowance = sharded.full_state / RANKS + args.allowance_mb * MB
     targets = [
@@ -266,6 +314,14 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
                         figure, f"≤ {RAW_TIME_RATIO_LIMIT:g}",
                         None if ratio is None or not large else ratio <= RAW_TIME_RATIO_LIMIT))
     targets += background_targets(figures, args)
+    for (phase, kind), cost in costs.items():
+        figure = _percent(cost) + ("" if large or cost is None else f" (state {_mb(sharded.full_state)} MB: below the size it is set for)")
+        targets.append((f"checksums: {kind} {phase} time added, at ≥ {_mb(RAW_TARGET_MIN_STATE)} MB of state", figure,
+                        f"≤ {CHECKSUM_COST_LIMIT:.0%}", None if cost is None or not large else cost <= CHECKSUM_COST_LIMIT))
+    ratio = _ratio(verified["seconds"], verified["raw"]) if verified is not None else None
+    targets.append((f"checksums: verify time / cold read of the same bytes, at ≥ {_mb(RAW_TARGET_MIN_STATE)} MB of state",
+                    _show(ratio) + ("" if large or ratio is None else f" (state {_mb(sharded.full_state)} MB: below the size it is set for)"),
+                    f"≤ {VERIFY_RAW_RATIO_LIMIT:g}", None if ratio is None or not large else ratio <= VERIFY_RAW_RATIO_LIMIT))
     added_ms = imports["added"] * 1e3
     targets.append((f"import lightning_fsdp_resume after import wrapt (median of {imports['repeats']})",
                     f"+{added_ms:.2f} ms ({imports['wrapt'] * 1e3:.2f} → {imports['wrapt_and_shim'] * 1e3:.2f} ms)",
@@ -275,6 +331,21 @@ def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: ar
                     ", ".join(heavy) if heavy else "none imported", "none", not heavy))
     lines += ["", table(["target", "figure", "limit", "met"], [[*t[:3], _verdict(t[3])] for t in targets])]
     return "\n".join(lines)
+
+
+def raw_verify(figures: Dict[Tuple[str, str, str], Any], raw: Optional[Dict[str, List[Dict]]]) -> List[Dict[str, float]]:
+    """The median ``verify`` (seconds, bytes) with the raw cold read of as many bytes (``raw``), where both were measured."""
+    verifies = figures.get(("verify", "sharded", "shim"))
+    if verifies is None or not raw or "sharded" not in raw:
+        return []
+    seconds = statistics.median(v["seconds"] for v in verifies)
+    size = statistics.median(v["bytes"] for v in verifies)
+    reads = [r["read"] * size / r["bytes"] for r in raw["sharded"] if r["bytes"]]
+    return [{"seconds": seconds, "bytes": size, "raw": statistics.median(reads) if reads else 0.0}]
+
+
+def _percent(cost: Optional[float]) -> str:
+    return "n/a" if cost is None else f"{cost:+.1%}"
 
 
 def background_targets(figures: Dict[Tuple[str, str, str], Figures], args: argparse.Namespace) -> List[Tuple]:
@@ -647,7 +718,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     imports = import_time.measure(sys.executable, args.import_repeats, env=_env())
-    figures = {key: Figures(value) for key, value in results.items()}
+    figures: Dict[Tuple[str, str, str], Any] = {key: Figures(value) for key, value in results.items() if key[0] != "verify"}
+    figures.update({key: [records[0] for records in value] for key, value in results.items() if key[0] == "verify"})
     print(report(figures, imports, args, raw))
     if remote:
         print("\n" + remote_report(remote, figures))

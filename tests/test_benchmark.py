@@ -42,7 +42,7 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS, "--repeats", "1",
                    "--import-repeats", "2", "--workdir", str(tmp_path), *REMOTE], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""},
                   timeout=BENCHMARK_TIMEOUT_S)
-    figures, raw, targets, *remote = _tables(output)
+    figures, raw, checksums, targets, *remote = _tables(output)
     assert [(r["phase"], r["kind"], r["side"]) for r in figures] == [
         (phase, kind, "shim") for phase in ("save", "resume") for kind in ("sharded", "full")
     ] + [("async save", "sharded", "shim")]
@@ -57,6 +57,12 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
         medium = "write \\+ fsync" if row["phase"] == "save" else "cold read"
         assert re.fullmatch(rf"\d+\.\d{{3}} \({medium}\)", row["raw I/O s"]) and float(row["checkpoint MB"]) >= 0, row
         assert re.fullmatch(r"\d+\.\d\d|n/a", row["shim/raw"]), row  # n/a: a read too small to time
+    assert [(r["phase"], r["kind"]) for r in checksums] == [("save", "sharded"), ("resume", "sharded"), ("resume", "full")]
+    for row in checksums:
+        assert float(row["shim s"]) > 0 and float(row["no checksums s"]) > 0 and re.fullmatch(r"[+-]\d+\.\d%", row["cost"]), row
+    assert re.search(r"verify: [\d.]+ MB in [\d.]+ s \(\d+ MB/s\); cold read of as many bytes [\d.]+ s", output), output
+    sums_targets = [row for row in targets if row["target"].startswith("checksums: ")]
+    assert len(sums_targets) == 4 and all(row["met"] == "not measured" for row in sums_targets), sums_targets
     verdicts = {row["target"].split(":")[0].split(" (")[0]: row["met"] for row in targets}
     for phase in ("save", "resume"):  # a smoke-sized state is below the size the target is set for
         assert verdicts[f"sharded {phase} time / raw I/O of the same bytes, at ≥ 1500.0 MB of state"] == "not measured"
