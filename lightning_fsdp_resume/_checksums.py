@@ -53,8 +53,14 @@ def damaged(name: str, start: int, end: int, entry: Optional[str], what: str) ->
     held = f" (the entry {entry!r})" if entry else ""
     return DamagedCheckpointError(
         f"The checkpoint file {name!r} is damaged: bytes {start}-{end}{held} {what}. Nothing was loaded from them;"
-        " resume from another checkpoint, or copy this one again from where it was saved."
+        " resume from another checkpoint, or copy this one again from where it was saved." + _SAVED_OVER
     )
+
+
+# What to do where the damage may be another program's save over a sharded checkpoint: torch < 2.4 gives no save id
+# to tell the two apart (``Manifest.save``).
+_SAVED_OVER = (" If a program that saves in place (native Lightning) saved over this checkpoint, its checksums are of the"
+               " earlier save: remove checksums.json beside it to load it unverified.")
 
 
 class Sums:
@@ -100,41 +106,53 @@ class Sums:
             found = "missing" if size is None else f"{size} bytes"
             raise DamagedCheckpointError(
                 f"The checkpoint file {self.name!r} is {found}; its save wrote {self.size} bytes. Resume from another"
-                " checkpoint, or copy this one again from where it was saved."
+                " checkpoint, or copy this one again from where it was saved." + _SAVED_OVER
             )
 
 
 # --- the manifest -----------------------------------------------------------------------------------------------
 
 
-def manifest_bytes(files: Mapping[str, Sequence[Range]]) -> bytes:
+class Manifest(NamedTuple):
+    """A sharded checkpoint's checksums: each file's ranges, and the id torch DCP (>= 2.4) gave the save that wrote
+    them (None before), which tells a checkpoint another program saved over in place from a damaged one."""
+
+    files: Dict[str, Sums]
+    save: Optional[str]
+
+
+def manifest_bytes(files: Mapping[str, Sequence[Range]], save: Optional[str] = None) -> bytes:
     """The manifest of a save's ``files`` (name relative to the checkpoint -> ranges), with a hash of its own."""
     listed = {name: [list(r) for r in sorted(ranges)] for name, ranges in sorted(files.items())}
-    body = json.dumps(listed, sort_keys=True, separators=(",", ":"))
-    return json.dumps({_FORMAT: _VERSION, "algorithm": ALGORITHM, "digest": digest(body.encode()), "files": listed},
-                      separators=(",", ":")).encode()
+    return json.dumps({_FORMAT: _VERSION, "algorithm": ALGORITHM, "digest": digest(_canonical(listed, save)),
+                       "save": save, "files": listed}, separators=(",", ":")).encode()
 
 
-def parse_manifest(data: bytes, name: str, directory: str) -> Dict[str, Sums]:
+def _canonical(listed: Any, save: Any) -> bytes:
+    return json.dumps({"files": listed, "save": save}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_manifest(data: bytes, name: str, directory: str) -> Manifest:
     """The ranges of every file a manifest lists; a damaged manifest, or one of a newer format, is refused."""
     def refused(what: str) -> DamagedCheckpointError:
         return DamagedCheckpointError(f"The checksums {name!r} {what}. Resume from another checkpoint.")
 
     try:
         manifest = json.loads(data.decode())
-        listed = manifest["files"]
-        body = json.dumps(listed, sort_keys=True, separators=(",", ":"))
-    except (ValueError, KeyError, TypeError) as error:
+        listed, save = manifest["files"], manifest.get("save")
+        body = _canonical(listed, save)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise refused(f"are damaged ({error})") from error
     if manifest.get(_FORMAT, 0) > _VERSION or manifest.get("algorithm") != ALGORITHM:
         raise refused(f"are of a format this lightning_fsdp_resume does not read ({manifest.get(_FORMAT)},"
                       f" {manifest.get('algorithm')!r}); upgrade it")
-    if manifest.get("digest") != digest(body.encode()):
+    if manifest.get("digest") != digest(body):
         raise refused("are damaged (their own checksum does not match)")
     try:
-        return {relative: Sums(f"{directory}/{relative}", [Range(*r) for r in ranges]) for relative, ranges in listed.items()}
+        files = {relative: Sums(f"{directory}/{relative}", [Range(*r) for r in ranges]) for relative, ranges in listed.items()}
     except TypeError as error:
         raise refused(f"are damaged ({error})") from error
+    return Manifest(files, save if isinstance(save, str) else None)
 
 
 # --- hashing what is written, checking what is read ---------------------------------------------------------------

@@ -137,6 +137,27 @@ def test_a_checkpoint_without_checksums_loads_and_says_it_could_not_be_verified(
 
 @needs_cpu_fsdp
 @patched_only
+def test_a_checkpoint_another_program_saved_over_in_place_is_told_from_damage(reference, tmp_path):
+    """Native Lightning saves a sharded checkpoint in place, over this package's, whose checksums.json then stays: on
+    torch >= 2.4 the index's save id tells the two saves apart, and it loads unverified with a warning; before, it
+    is refused, saying how to load it."""
+    from lightning_fsdp_resume._torch_compat import torch_release
+
+    run = reference("sharded", 0) / "ckpt"
+    over = shutil.copytree(run / MID, tmp_path / "over.ckpt")
+    for saved in (run / "epoch=0.ckpt").iterdir():
+        if saved.name != "checksums.json":
+            shutil.copyfile(saved, over / saved.name)
+    if torch_release() >= (2, 4):
+        with pytest.warns(UserWarning, match=r"holds the checksums of another save than the checkpoint's"):
+            _net().load_from_checkpoint(over)
+    else:
+        with pytest.raises(DamagedCheckpointError, match=r"saved over this checkpoint.*remove checksums.json"):
+            _net().load_from_checkpoint(over)
+
+
+@needs_cpu_fsdp
+@patched_only
 @pytest.mark.multirank
 def test_the_trainer_refuses_a_damaged_shard_on_every_rank_before_it_trains(reference, tmp_path):
     """A flipped bit in a tensor of rank 1's shard file: both ranks raise the damage (found by rank 1 as it reads) and

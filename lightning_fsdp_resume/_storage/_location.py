@@ -2,6 +2,7 @@
 import contextlib
 import dataclasses
 import io
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, TypeVar
 
 from .. import _checksums, _format, _unpickling
@@ -116,17 +117,46 @@ class Location:
     # --- checksums (``_checksums``) ---
     def sums(self) -> Optional[Dict[str, Sums]]:
         """The ranges the save of the sharded checkpoint here hashed, by file (its manifest), read once; None where it
-        has none: native Lightning's, or an older lightning_fsdp_resume's."""
+        has none (native Lightning's, an older lightning_fsdp_resume's) or where another program saved over it in
+        place (native Lightning does), leaving the manifest of an earlier save: both load unverified, said once."""
+        return self.once("sums", self._read_sums)
+
+    def _read_sums(self) -> Optional[Dict[str, Sums]]:
         manifest = self / _format.CHECKSUMS_FILENAME
+        try:
+            data = manifest.read_bytes()
+        except FileNotFoundError:
+            return None
+        found = _checksums.parse_manifest(data, str(manifest), str(self))
+        if found.save is not None and self._index_save(found) not in (None, found.save):
+            warnings.warn(
+                f"lightning_fsdp_resume: {str(manifest)!r} holds the checksums of another save than the checkpoint's"
+                " (a program that saves in place, such as native Lightning, saved over it): its bytes could not be"
+                " verified."
+            )
+            return None
+        return found.files
 
-        def read() -> Optional[Dict[str, Sums]]:
-            try:
-                data = manifest.read_bytes()
-            except FileNotFoundError:
-                return None
-            return _checksums.parse_manifest(data, str(manifest), str(self))
+    def _index_save(self, manifest: _checksums.Manifest) -> Optional[str]:
+        """The save id in ``.metadata`` where its bytes are not those the manifest hashed; None where they are, or
+        where it holds none (then the bytes are damaged, and the checks say so)."""
+        name = _format.DCP_METADATA_FILENAME
+        sums = manifest.files.get(name)
+        try:
+            data = self._whole(name)
+        except FileNotFoundError:
+            return None
+        if sums is None or (len(data) == sums.size and _checksums.digest(data) == sums.ranges[0].digest and len(sums.ranges) == 1):
+            return None
+        try:
+            index = _unpickling.loads(data, repr(str(self / name)))
+        except Exception:
+            return None
+        return getattr(getattr(index, "storage_meta", None), "save_id", None)
 
-        return self.once("sums", read)
+    def _whole(self, relative: str) -> bytes:
+        """The whole small file ``relative`` here, read once."""
+        return self.once(("whole", relative), lambda: (self / relative).read_bytes())
 
     def file_sums(self, relative: str) -> Optional[Sums]:
         """The ranges of the file ``relative`` here; None where the checkpoint has no checksums."""
@@ -144,7 +174,7 @@ class Location:
         """The bytes of the file ``relative`` here (those in [start, end)), checked against the checkpoint's
         checksums where it has them: damage raises ``DamagedCheckpointError`` naming the file and the bytes."""
         sums = self.file_sums(relative)
-        data = (self / relative).read_bytes(start, end)
+        data = self._whole(relative) if start is None and end is None else (self / relative).read_bytes(start, end)
         if sums is not None:
             if start is None and end is None:
                 sums.check_size(len(data))
@@ -174,7 +204,8 @@ class Location:
         files = {**self.written(), **ranges}
         if _format.DCP_METADATA_FILENAME not in files:
             return  # not the rank whose DCP writer finished: its checkpoint goes without checksums
-        (self / _format.CHECKSUMS_FILENAME).write_bytes(_checksums.manifest_bytes(files))
+        save = self.once("save id", dict).get("id")
+        (self / _format.CHECKSUMS_FILENAME).write_bytes(_checksums.manifest_bytes(files, save))
 
     def mkdir(self) -> None:
         raise NotImplementedError
@@ -368,6 +399,7 @@ def _summing(writer: Any, location: Location) -> Any:
         index = [ranges for written_name, ranges in written.items() if written_name.startswith(name)]  # .metadata.tmp
         files[name] = index[-1] if index else _hashed(location / name, 0, None)
         location.written().update(files)
+        location.once("save id", dict)["id"] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
 
     writer.write_data, writer.finish = summed_write_data, summed_finish
     return writer
