@@ -9,13 +9,17 @@ A reader serves only bytes of ranges it has checked (``Checked``). A full checkp
 writer's) is checked against the CRC-32 zip stores for every record, pickle and tensors alike, before it is loaded.
 """
 import bisect
+import contextlib
 import io
 import json
+import mmap
+import os
 import posixpath
 import struct
 import warnings
 import zipfile
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+import zlib
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 ALGORITHM = "xxh3_64"
 _FORMAT = "lightning_fsdp_resume.checksums"
@@ -198,13 +202,16 @@ class Hashing:
 
 class Checked(io.RawIOBase):
     """A file being read (torch DCP's stream of a shard file) that hands out only bytes it has checked: a read
-    anywhere reads the whole range around it, checks it against ``sums`` and keeps it until a read leaves it."""
+    anywhere checks the whole range around it against ``sums`` first, and is served from it until a read leaves it.
+    A local file is memory-mapped: a range is checked where it lies in the page cache, with no copy, and a read
+    copies from there (as a read of the file would); any other stream's range is read into memory first."""
 
     def __init__(self, raw: Any, sums: Sums) -> None:
         super().__init__()
         self._raw, self._sums = raw, sums
         self._position = 0
-        self._held: Optional[Tuple[int, bytes]] = None
+        self._held: Optional[Tuple[int, memoryview]] = None
+        self._map = _mapped(raw)
 
     def readable(self) -> bool:
         return True
@@ -229,6 +236,7 @@ class Checked(io.RawIOBase):
                 break
             count = min(len(chunk), len(view) - filled)
             view[filled:filled + count] = chunk[:count]
+            chunk.release()
             filled += count
             self._position += count
         return filled
@@ -239,14 +247,51 @@ class Checked(io.RawIOBase):
             r = self._sums.containing(position)
             if r is None:
                 return memoryview(b"")
-            self._raw.seek(r.offset)
-            data = _read_exactly(self._raw, r.length)
-            if len(data) != r.length:
-                raise damaged(self._sums.name, r.offset, r.offset + r.length, r.entry, f"are cut short ({len(data)} read)")
-            self._sums.check(data, r.offset)
+            self._release()
+            if self._map is not None:
+                data = memoryview(self._map)[r.offset:r.offset + r.length]
+            else:
+                self._raw.seek(r.offset)
+                data = memoryview(_read_exactly(self._raw, r.length))
+            whole = len(data) == r.length
+            try:
+                if whole:
+                    self._sums.check(data, r.offset)
+            except DamagedCheckpointError:
+                data.release()
+                raise
+            if not whole:
+                data.release()
+                raise damaged(self._sums.name, r.offset, r.offset + r.length, r.entry, "are cut short")
             self._held = (r.offset, data)
-        start, data = self._held
-        return memoryview(data)[position - start:]
+        start, held = self._held
+        return held[position - start:]
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held[1].release()
+            self._held = None
+
+    def close(self) -> None:
+        self._release()
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view handed out is still alive: the map goes with it
+                pass
+            self._map = None
+        super().close()
+
+
+def _mapped(raw: Any) -> Optional[mmap.mmap]:
+    """``raw`` memory-mapped where it is a local file; None for other streams (fsspec's, say)."""
+    try:
+        descriptor = raw.fileno()
+        if os.fstat(descriptor).st_size == 0:
+            return None
+        return mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
 
 
 def _read_exactly(stream: Any, count: int) -> bytes:
@@ -316,18 +361,29 @@ def check_zip(source: Any, name: str) -> None:
         )
 
     try:
-        with zipfile.ZipFile(source) as archive:
+        with zipfile.ZipFile(source) as archive, _whole_view(source) as view:
             raw: Any = archive.fp
             for record in archive.infolist():
                 raw.seek(record.header_offset)
                 header = struct.unpack(_LOCAL_HEADER, raw.read(struct.calcsize(_LOCAL_HEADER)))
                 told = (*_dos_time(record.date_time), record.CRC, record.compress_size, record.file_size)
                 _agree(record.filename, header[5:10], told, refused, zeroed=bool(header[3] & _DESCRIPTOR))
-                with archive.open(record) as stream:
-                    while stream.read(_CHUNK):
-                        pass
+                local_name = raw.read(header[10]).decode("utf-8" if header[3] & 0x800 else "cp437")
+                if local_name != record.orig_filename:
+                    raise refused(f"the local header of {record.filename!r} names {local_name!r}")
+                start = record.header_offset + struct.calcsize(_LOCAL_HEADER) + header[10] + header[11]
+                if view is not None and record.compress_type == zipfile.ZIP_STORED:
+                    data = view[start:start + record.compress_size]  # no copy: the page cache, or the bytes read
+                    whole = len(data) == record.compress_size and zlib.crc32(data) == record.CRC
+                    data.release()  # before any raise: a view left would keep the map from closing
+                    if not whole:
+                        raise refused(f"the record {record.filename!r} does not match its CRC-32")
+                else:
+                    with archive.open(record) as stream:
+                        while stream.read(_CHUNK):
+                            pass
                 if header[3] & _DESCRIPTOR:  # the CRC-32 and sizes follow the data
-                    raw.seek(record.header_offset + struct.calcsize(_LOCAL_HEADER) + header[10] + header[11] + record.compress_size)
+                    raw.seek(start + record.compress_size)
                     wide = max(record.compress_size, record.file_size) >= _ZIP64
                     found = raw.read(4)
                     fields = raw.read(20 if wide else 12) if found == _DESCRIPTOR_MAGIC else found + raw.read(16 if wide else 8)
@@ -335,13 +391,35 @@ def check_zip(source: Any, name: str) -> None:
                     _agree(record.filename, (0, 0, *descriptor), told, refused)
     except zipfile.BadZipFile as error:
         raise refused(error) from error
-    except (OSError, EOFError, ValueError, NotImplementedError, struct.error) as error:
+    except (OSError, EOFError, ValueError, NotImplementedError, struct.error, UnicodeDecodeError) as error:
         if isinstance(error, DamagedCheckpointError):
             raise
         raise refused(f"its zip records cannot be read ({error})") from error
     finally:
         if hasattr(source, "seek"):
             source.seek(0)
+
+
+@contextlib.contextmanager
+def _whole_view(source: Any) -> Iterator[Optional[memoryview]]:
+    """The whole file as memory without a copy: a filename memory-mapped (its pages are the page cache's), a
+    ``BytesIO``'s buffer; None for other file objects."""
+    if isinstance(source, io.BytesIO):
+        view = source.getbuffer()
+        try:
+            yield view
+        finally:
+            view.release()
+        return
+    if not isinstance(source, str) or os.path.getsize(source) == 0:
+        yield None
+        return
+    with open(source, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            yield view
+        finally:
+            view.release()
 
 
 _LOCAL_HEADER = "<4s2B4HL2L2H"  # a zip local file header: signature, versions, flags, method, time, date, CRC, sizes, lengths

@@ -357,7 +357,11 @@ class _Files:
                 self._written[name] = hashing.close()
             elif "r" in mode and self._location is not None:
                 sums = self._location.file_sums(name)
-                yield raw if sums is None else _checksums.Checked(raw, sums)
+                if sums is None:
+                    yield raw
+                else:
+                    with contextlib.closing(_checksums.Checked(raw, sums)) as checked:
+                        yield checked
             else:
                 yield raw
 
