@@ -25,7 +25,7 @@ ALGORITHM = "xxh3_64"
 _FORMAT = "lightning_fsdp_resume.checksums"
 _VERSION = 1
 _ZIP_MAGIC = b"PK\x03\x04"
-_CHUNK = 16 * 2**20  # what a whole-file check reads at once
+CHUNK = 16 * 2**20  # what a whole-file check reads at once
 
 
 class DamagedCheckpointError(ValueError):
@@ -211,7 +211,8 @@ class Checked(io.RawIOBase):
         self._raw, self._sums = raw, sums
         self._position = 0
         self._held: Optional[Tuple[int, memoryview]] = None
-        self._map = _mapped(raw)
+        self._map: Optional[mmap.mmap] = None  # the held range's map, unmapped when a read leaves it
+        self._local = _mapped(raw, probe=True) is not None
 
     def readable(self) -> bool:
         return True
@@ -248,8 +249,11 @@ class Checked(io.RawIOBase):
             if r is None:
                 return memoryview(b"")
             self._release()
-            if self._map is not None:
-                data = memoryview(self._map)[r.offset:r.offset + r.length]
+            if self._local:
+                # the range alone is mapped, and unmapped once read: the process holds one range of the file at a time
+                aligned = r.offset - r.offset % mmap.ALLOCATIONGRANULARITY
+                self._map = _mapped(self._raw, aligned, r.offset + r.length - aligned)
+                data = memoryview(self._map)[r.offset - aligned:] if self._map is not None else memoryview(b"")
             else:
                 self._raw.seek(r.offset)
                 data = memoryview(_read_exactly(self._raw, r.length))
@@ -271,25 +275,30 @@ class Checked(io.RawIOBase):
         if self._held is not None:
             self._held[1].release()
             self._held = None
-
-    def close(self) -> None:
-        self._release()
         if self._map is not None:
             try:
                 self._map.close()
             except BufferError:  # a view handed out is still alive: the map goes with it
                 pass
             self._map = None
+
+    def close(self) -> None:
+        self._release()
         super().close()
 
 
-def _mapped(raw: Any) -> Optional[mmap.mmap]:
-    """``raw`` memory-mapped where it is a local file; None for other streams (fsspec's, say)."""
+def _mapped(raw: Any, offset: int = 0, length: int = 0, probe: bool = False) -> Any:
+    """``length`` bytes of ``raw`` from ``offset`` (a multiple of the allocation granularity; 0: to the end)
+    memory-mapped where it is a local file; None for other streams (fsspec's, say) and past the file's end.
+    ``probe``: only whether it can be, without mapping anything (True, or None)."""
     try:
         descriptor = raw.fileno()
-        if os.fstat(descriptor).st_size == 0:
+        size = os.fstat(descriptor).st_size
+        if probe:
+            return True
+        if size <= offset:
             return None
-        return mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ)
+        return mmap.mmap(descriptor, min(length or size, size - offset), offset=offset, access=mmap.ACCESS_READ)
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         return None
 
@@ -380,7 +389,7 @@ def check_zip(source: Any, name: str) -> None:
                         raise refused(f"the record {record.filename!r} does not match its CRC-32")
                 else:
                     with archive.open(record) as stream:
-                        while stream.read(_CHUNK):
+                        while stream.read(CHUNK):
                             pass
                 if header[3] & _DESCRIPTOR:  # the CRC-32 and sizes follow the data
                     raw.seek(start + record.compress_size)
@@ -402,8 +411,8 @@ def check_zip(source: Any, name: str) -> None:
 
 @contextlib.contextmanager
 def _whole_view(source: Any) -> Iterator[Optional[memoryview]]:
-    """The whole file as memory without a copy: a filename memory-mapped (its pages are the page cache's), a
-    ``BytesIO``'s buffer; None for other file objects."""
+    """The whole file as memory without a copy: a local file (by name or handle) memory-mapped, its pages the page
+    cache's; a ``BytesIO``'s buffer; None for other file objects (fsspec's, say)."""
     if isinstance(source, io.BytesIO):
         view = source.getbuffer()
         try:
@@ -411,10 +420,13 @@ def _whole_view(source: Any) -> Iterator[Optional[memoryview]]:
         finally:
             view.release()
         return
-    if not isinstance(source, str) or os.path.getsize(source) == 0:
-        yield None
-        return
-    with open(source, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+    with contextlib.ExitStack() as stack:
+        handle = stack.enter_context(open(source, "rb")) if isinstance(source, str) else source
+        mapped = _mapped(handle)
+        if mapped is None:
+            yield None
+            return
+        stack.enter_context(mapped)
         view = memoryview(mapped)
         try:
             yield view
@@ -444,9 +456,9 @@ def _dos_time(date_time: Tuple[int, ...]) -> Tuple[int, int]:
     return (hour << 11) | (minute << 5) | (second // 2), ((year - 1980) << 9) | (month << 5) | day
 
 
-def check_file(read: Callable[[int, int], bytes], sums: Sums, progress: Callable[[int], None]) -> None:
+def check_file(read: Callable[[int, int], Any], sums: Sums, progress: Callable[[int], None]) -> None:
     """Check every range of a file whole (a ``verify``), ``read(start, end)`` giving its bytes: small ranges in
-    batches of up to ``_CHUNK`` bytes (at a URL each read is a request), large ones in pieces of that size, so that
+    batches of up to ``CHUNK`` bytes (at a URL each read is a request), large ones in pieces of that size, so that
     memory stays bounded. ``progress`` is told each count of bytes checked."""
     pending: List[Range] = []
 
@@ -461,15 +473,15 @@ def check_file(read: Callable[[int, int], bytes], sums: Sums, progress: Callable
             pending.clear()
 
     for r in sums.ranges:
-        if r.length <= _CHUNK:
-            if pending and r.offset + r.length - pending[0].offset > _CHUNK:
+        if r.length <= CHUNK:
+            if pending and r.offset + r.length - pending[0].offset > CHUNK:
                 flush()
             pending.append(r)
             continue
         flush()
         running, at, end = hasher(), r.offset, r.offset + r.length
         while at < end:
-            data = read(at, min(end, at + _CHUNK))
+            data = read(at, min(end, at + CHUNK))
             if not data:
                 raise damaged(sums.name, r.offset, end, r.entry, f"are cut short ({at - r.offset} read)")
             running.update(data)
