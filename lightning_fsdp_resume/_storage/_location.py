@@ -381,7 +381,8 @@ def _summing(writer: Any, location: Location) -> Any:
         import torch
 
         results = write_data(plan, planner).wait()
-        summed = [dataclasses.replace(result, storage_data=_Summed(result.storage_data, _item_ranges(location, written, result)))
+        files = {name: Sums(name, ranges) for name, ranges in written.items()}  # once: a rank writes thousands of items
+        summed = [dataclasses.replace(result, storage_data=_Summed(result.storage_data, _item_ranges(location, files, result)))
                   for result in results]
         future: Any = torch.futures.Future()
         future.set_result(summed)
@@ -409,13 +410,14 @@ def _summing(writer: Any, location: Location) -> Any:
     return writer
 
 
-def _item_ranges(location: Location, written: Dict[str, List[Range]], result: Any) -> List[Range]:
+def _item_ranges(location: Location, files: Dict[str, Sums], result: Any) -> List[Range]:
+    """The ranges of one written item (``result``), named by its entry: as its stream hashed them, or (torch < 2.4)
+    hashed from the file now."""
     info, entry = result.storage_data, result.index.fqn
     start, end = info.offset, info.offset + info.length
-    if info.relative_path not in written:  # torch < 2.4: read back
+    if info.relative_path not in files:  # torch < 2.4: read back
         return [r._replace(entry=entry) for r in _hashed(location / info.relative_path, start, end)]
-    ranges = Sums(info.relative_path, written[info.relative_path]).covering(start, end)
-    return [r._replace(entry=entry) for r in ranges]
+    return [r._replace(entry=entry) for r in files[info.relative_path].covering(start, end)]
 
 
 def _hashed(file: Location, start: int, end: Optional[int]) -> List[Range]:
