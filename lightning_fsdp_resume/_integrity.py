@@ -6,7 +6,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from . import _checksums, _format, _sharded_reader, _storage
-from ._verify import MissingCheckpointError, not_a_checkpoint
+from ._verify import MissingCheckpointError, listed_size, not_a_checkpoint
 
 
 class Verified(NamedTuple):
@@ -47,8 +47,7 @@ def verify(target: str, progress: bool = True) -> Verified:
     bar = _sharded_reader.Progress(total, f"checking {str(path)!r}", enabled=progress, command="verify")
     try:
         for relative, file_sums in sorted(sums.items()):
-            found = files.get(relative) if "/" not in relative else (path / relative).stat()
-            file_sums.check_size(None if found is None or found.is_dir else found.size)
+            file_sums.check_size(listed_size(path, files, relative))
             with (path / relative).open("rb") as handle:
                 _checksums.check_file(_reader_into(handle), file_sums, bar.advance)
     finally:

@@ -61,7 +61,7 @@ def _check_sharded(path: Location) -> None:
         _checksums.unchecked(str(path))
     else:  # every file the save wrote, at the size it wrote: a truncated or swapped one is refused before any read
         for relative, file_sums in sums.items():
-            file_sums.check_size(_file_size(files.get(relative) if "/" not in relative else (path / relative).stat()))
+            file_sums.check_size(listed_size(path, files, relative))
     try:
         shards = path.read_index()
     except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
@@ -70,7 +70,7 @@ def _check_sharded(path: Location) -> None:
         raise ValueError(f"The shard index {str(index)!r} cannot be read ({_describe(error)})." + incomplete) from error
     for relative, needed in _bytes_needed(shards).items():
         shard = path / relative
-        size = _file_size(files.get(relative) if "/" not in relative else shard.stat())
+        size = listed_size(path, files, relative)
         if size is None:
             raise ValueError(f"The shard file {str(shard)!r} is missing." + incomplete)
         if size < needed:
@@ -85,6 +85,12 @@ def _unpickle_entries(path: Location, shards: Any) -> None:
     restriction, after the weights have loaded."""
     path.load_items([info for entry, info in shards.storage_data.items()
                      if _format.is_pickled_entry(shards.state_dict_metadata[entry.fqn])])
+
+
+def listed_size(path: Location, files: Dict[str, Any], relative: str) -> Optional[int]:
+    """The size of the file ``relative`` in the directory ``path`` whose ``files`` were listed (one listing answers
+    for the top level; a file below it is asked alone); None where there is no such file."""
+    return _file_size(files.get(relative) if "/" not in relative else (path / relative).stat())
 
 
 def _file_size(entry: Any) -> Optional[int]:
