@@ -6,14 +6,16 @@ The ranks' threads agree over a gloo group of their own, while training's collec
 every rank learns the same outcome, which the next save, any load, teardown or ``wait_for_saves`` raise.
 Nothing here knows about patching or about the Trainer or Fabric.
 """
+import copy
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from . import _torch_compat as compat
 from ._ranks import describe, failures
 
 _PENDING = "_lightning_fsdp_resume_pending_save"  # on the strategy: this rank's save in the background
 _GROUP = "_lightning_fsdp_resume_save_group"  # on the strategy: the background threads' process group
+_STAGING = "_lightning_fsdp_resume_staging"  # on the strategy: the host buffers its saves in the background copy into
 
 
 class BackgroundSaveError(RuntimeError):
@@ -125,22 +127,61 @@ def _attempt(action: Callable[[], Any]) -> Optional[BaseException]:
 # --- the copy a save in the background writes ---------------------------------------------------
 
 
-def host_copy(obj: Any, live: Optional[Set[int]] = None) -> Any:
+class Staging:
+    """This rank's host buffers for what a save in the background copies of the live state, kept from one save to
+    the next: copying into memory already touched costs the copy alone, where new memory first faults in every
+    page. One buffer per storage of a live tensor (a flat shard, an optimizer state), copied whole once per save,
+    the tensors then views of it; reused only once the save that wrote from it is finished (``wait``)."""
+
+    def __init__(self) -> None:
+        self.kept: Dict[Tuple[int, int, str], Any] = {}
+        self.this_save: Dict[Tuple[int, int, str], Any] = {}
+
+    def begin(self) -> None:
+        """A new save: the buffers the last one used are kept, any other is dropped."""
+        self.kept, self.this_save = self.this_save, {}
+
+    def copy(self, tensor: Any) -> Any:
+        """``tensor`` as it is now, in host memory: a view of its storage's copy, made once per save."""
+        import torch
+
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
+        buffer = self.this_save.get(key)
+        if buffer is None:
+            buffer = self.kept.get(key)
+            if buffer is None:
+                buffer = torch.empty(storage.nbytes(), dtype=torch.uint8)
+            buffer.copy_(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
+            self.this_save[key] = buffer
+        view = torch.empty(0, dtype=tensor.dtype)
+        return view.set_(buffer.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+def staging(strategy: Any) -> Staging:
+    """The strategy's ``Staging``, for the save about to copy (the last one's is finished: ``wait``)."""
+    kept = vars(strategy).get(_STAGING)
+    if kept is None:
+        kept = vars(strategy)[_STAGING] = Staging()
+    kept.begin()
+    return kept
+
+
+def host_copy(obj: Any, live: Optional[Set[int]] = None, staged: Optional[Staging] = None) -> Any:
     """``obj`` as it is now, for a save that writes it while training goes on: its accelerator tensors copied into
     host memory, its other leaves deep-copied. ``live``: the storages (``storages``) training changes; host tensors
-    elsewhere are FSDP's own copies, which nothing changes, and are kept as they are (None: every one is copied)."""
-    import copy
-
+    elsewhere are FSDP's own copies, which nothing changes, and are kept as they are (None: every one is copied).
+    ``staged``: the tensors of ``live`` storages are copied into its kept buffers, each storage once."""
     import torch
 
     if isinstance(obj, dict):
-        return type(obj)((key, host_copy(value, live)) for key, value in obj.items())
+        return type(obj)((key, host_copy(value, live, staged)) for key, value in obj.items())
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(host_copy(value, live) for value in obj)
+        return type(obj)(host_copy(value, live, staged) for value in obj)
     if type(obj).__name__ == "ShardedTensor":
-        return _sharded_host_copy(obj, live)
+        return _sharded_host_copy(obj, live, staged)
     if isinstance(obj, torch.Tensor):
-        return _host_tensor(obj, live)
+        return _host_tensor(obj, live, staged)
     return copy.deepcopy(obj)
 
 
@@ -149,21 +190,31 @@ def storages(tensors: Iterable[Any]) -> Set[int]:
     return {tensor.untyped_storage().data_ptr() for tensor in tensors}
 
 
-def _host_tensor(tensor: Any, live: Optional[Set[int]]) -> Any:
-    if tensor.device.type != "cpu" or live is None or tensor.untyped_storage().data_ptr() in live:
-        return tensor.detach().to("cpu", copy=True)
-    return tensor
+def _host_tensor(tensor: Any, live: Optional[Set[int]], staged: Optional[Staging]) -> Any:
+    if tensor.device.type == "cpu" and live is not None and tensor.untyped_storage().data_ptr() not in live:
+        return tensor
+    if staged is not None and live is not None:
+        return staged.copy(tensor.detach())
+    return tensor.detach().to("cpu", copy=True)
 
 
-def _sharded_host_copy(tensor: Any, live: Optional[Set[int]]) -> Any:
+def _sharded_host_copy(tensor: Any, live: Optional[Set[int]], staged: Optional[Staging]) -> Any:
+    from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
     shards = tensor.local_shards()
-    if any(shard.tensor.device.type != "cpu" for shard in shards):
+    if staged is None and any(shard.tensor.device.type != "cpu" for shard in shards):
         return tensor.cpu()  # a copy, its shards' placements moved to the CPU with them
-    copies = [Shard(_host_tensor(shard.tensor, live), shard.metadata) for shard in shards]
-    if all(copy.tensor is shard.tensor for copy, shard in zip(copies, shards)):
+    copies = [_host_tensor(shard.tensor, live, staged) for shard in shards]
+    if all(copied is shard.tensor for copied, shard in zip(copies, shards)):
         return tensor
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        copies, tensor.metadata(), process_group=tensor._process_group
-    )
+    metadata = tensor.metadata()
+    if any(shard.tensor.device.type != "cpu" for shard in shards):  # their placements move to the host with them
+        metadata = copy.copy(metadata)
+        metadata.shards_metadata = [_on_host(ShardMetadata, entry) for entry in metadata.shards_metadata]
+    host_shards = [Shard(copied, _on_host(ShardMetadata, shard.metadata)) for copied, shard in zip(copies, shards)]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(host_shards, metadata, process_group=tensor._process_group)
+
+
+def _on_host(metadata_type: Any, entry: Any) -> Any:
+    return metadata_type(entry.shard_offsets, entry.shard_sizes, f"rank:{entry.placement.rank()}/cpu")

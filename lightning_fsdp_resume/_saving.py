@@ -11,7 +11,7 @@ import secrets
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
-from . import _background, _format, _storage
+from . import _background, _format, _shard_layout, _shard_views, _storage
 from . import _torch_compat as compat
 from ._ranks import barrier, broadcast, decided_on_rank_zero, warn_rank_zero
 from ._storage import Location
@@ -58,12 +58,48 @@ def in_background(strategy: Any, asked: bool) -> bool:
     return False
 
 
+# Sharded saves build their state dicts from each rank's flat shards (``_shard_views``) where they can; False: always
+# with FSDP's builder, which gathers (the tests and the benchmark compare the two).
+FROM_SHARDS = True
+
+
+def sharded_model_state(module: Any, offload: bool) -> Dict[str, Any]:
+    """This rank's sharded model state dict, to save: views of its flat shards, or FSDP's (``_built``; ``offload``: its
+    shards moved to the host)."""
+    return _built(_shard_views.model_state, (module,), lambda: compat.model_state_dict(module, full=False, offload=offload))
+
+
+def sharded_optimizer_state(module: Any, optimizer: Any, offload: bool) -> Dict[str, Any]:
+    """This rank's sharded optimizer state dict, keyed by parameter name, to save, as ``sharded_model_state``."""
+    return _built(_shard_views.optimizer_state, (module, optimizer),
+                  lambda: compat.optimizer_state_dict(module, optimizer, full=False, offload=offload))
+
+
+def _built(from_shards: Callable[..., Dict[str, Any]], args: Tuple[Any, ...], fsdps: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    """``from_shards(*args)`` where every rank can build it (torch >= 2.2, a layout ``_shard_views`` knows), else
+    ``fsdps()``: FSDP's builder, which gathers every flat parameter. The views stay where the shards are: torch's
+    writer moves each item to the host as it writes it."""
+    if not FROM_SHARDS or compat.torch_release() < compat.GATHER_FREE_SAVE:
+        return fsdps()
+    try:
+        state = _shard_views.agreed(from_shards, *args)
+    except _shard_views.UnknownLayout as unknown:
+        import logging
+
+        logging.getLogger(__name__).debug("lightning_fsdp_resume: FSDP builds this sharded state dict: %s.", unknown)
+        return fsdps()
+    assert state is not None
+    return state
+
+
 def training_tensors(module: Any, optimizers: Iterable[Any]) -> Iterator[Any]:
-    """What training changes in place: ``module``'s parameters and buffers, and the optimizers' states."""
+    """What training changes in place: ``module``'s parameters and buffers, FSDP's flat shards (which a unit keeping
+    a gathered copy does not show as its parameters), and the optimizers' states."""
     import torch
 
     yield from module.parameters()
     yield from module.buffers()
+    yield from (flat.param._local_shard for flat in _shard_layout.flat_shards(module) or ())
     for optimizer in optimizers:
         for state in getattr(optimizer, "_optimizer", optimizer).state.values():  # a LightningOptimizer's own
             yield from (value for value in state.values() if isinstance(value, torch.Tensor))
@@ -94,7 +130,8 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
     _background.wait(strategy)
     path, partial = _destination(strategy, filepath, full=False)
     if background:
-        stored, metadata = _background.host_copy(stored, _background.storages(live)), _background.host_copy(metadata)
+        staged = _background.staging(strategy)
+        stored, metadata = _background.host_copy(stored, _background.storages(live), staged), _background.host_copy(metadata)
         written = _started(lambda: _start_shards(partial, stored, _background.process_group(strategy)))
         _background.start(strategy, path, written.result, functools.partial(_publish_sharded, partial, path, metadata))
         return

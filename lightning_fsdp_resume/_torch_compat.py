@@ -30,6 +30,8 @@ CONSOLIDATE_MIN = (2, 2)
 CPU_FSDP_MIN = (2, 2)
 # torch 2.2 alone gathers an optimizer state of use_orig_params=True through torch.cuda calls.
 CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE = (2, 2)
+# Sharded saves built from the flat shards (``_shard_views``): from the oldest release their multi-rank tests run on.
+GATHER_FREE_SAVE = CPU_FSDP_MIN
 # torch 2.3 adds dcp.async_save: a sharded save written in a background thread.
 ASYNC_SAVE = (2, 3)
 

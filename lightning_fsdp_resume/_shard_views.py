@@ -1,0 +1,177 @@
+"""Sharded state dicts built from this rank's FSDP flat shards as they lie: what a sharded save writes, with no
+gathering and no copy.
+
+FSDP1's own sharded state dicts all-gather every flat parameter and optimizer state and cut them again by rows,
+on every rank, at every save. A rank's part of an original parameter is already a run of its flattened elements,
+that is a few rectangles of its shape (``_shard_layout.boxes``); here each becomes a view of the flat shard, in a
+``ShardedTensor`` with one local shard per rectangle, whose global layout every rank works out alike from FSDP's.
+torch.distributed.checkpoint writes those rectangles and resolves them against any request, so a checkpoint
+means what FSDP's builder's means: the same entries, names, shapes and values.
+
+``model_state`` and ``optimizer_state`` raise ``UnknownLayout`` where this does not apply; the caller then uses
+FSDP's builder, on every rank (``agreed``). torch is imported inside the functions.
+"""
+import copy
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from . import _shard_layout
+from ._ranks import everyone
+from ._shard_layout import FlatShard, Piece
+
+
+class UnknownLayout(Exception):
+    """This state is not one built here; the message says why (FSDP's own builder is used instead)."""
+
+
+def agreed(build: Any, *args: Any) -> Optional[Dict[str, Any]]:
+    """``build(*args)``'s state where every rank could build it, else None on every rank (a collective): a rank
+    that took FSDP's builder alone would wait in its gathers for ever. Raises ``UnknownLayout`` with the first
+    rank's reason where any had one."""
+    try:
+        state, reason = build(*args), None
+    except UnknownLayout as unknown:
+        state, reason = None, str(unknown)
+    reasons = [found for found in everyone(reason) if found is not None]
+    if reasons:
+        raise UnknownLayout(reasons[0])
+    return state
+
+
+def model_state(model: Any) -> Dict[str, Any]:
+    """The sharded model state dict FSDP would build for ``model`` (names without FSDP's segments), each
+    parameter a ``ShardedTensor`` of views of this rank's flat shards, each persistent buffer as it is."""
+    from torch import nn
+
+    from ._format import clean_module_name
+
+    flats = _known(model)
+    if any(flat.shared for flat in flats):
+        raise UnknownLayout("a parameter is shared by two modules (tied weights)")
+    covered = {id(flat.param) for flat in flats} | {id(p) for flat in flats for p in flat.originals or ()}
+    if any(id(param) not in covered for param in model.parameters()):
+        raise UnknownLayout("a parameter is outside FSDP's flat parameters")
+    params: Dict[str, Dict[str, Any]] = {}  # by the module that owns them, in registration order within it
+    for flat in flats:
+        shard = flat.param._local_shard.detach()  # the shard even where the unit holds a gathered copy
+        every_rank = _by_name(flat.every_rank)
+        for name, shape in zip(flat.names, flat.shapes):
+            own = [piece for piece in flat.pieces if piece.name == name]
+            params.setdefault(name.rpartition(".")[0], {})[name] = _sharded(shard, shape, own, every_rank.get(name, []), flat.rank)
+    # Module.state_dict()'s order, which readers take the modules' order from: a module's parameters, then its
+    # buffers, then its children's
+    state: Dict[str, Any] = {}
+    for module_name, module in model.named_modules():
+        module_name = clean_module_name(module_name)
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            raise UnknownLayout(f"module {module_name!r} has extra state")
+        if module._buffers and _casts_buffers(module):
+            raise UnknownLayout("FSDP's mixed precision casts buffers, which its state dict casts back")
+        state.update(params.pop(module_name, {}))
+        for buffer_name, buffer in module._buffers.items():
+            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
+                state[f"{module_name}.{buffer_name}" if module_name else buffer_name] = buffer.detach()
+    if params:
+        raise UnknownLayout(f"no module owns {', '.join(sorted(name for names in params.values() for name in names))}")
+    return state
+
+
+def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:
+    """The sharded optimizer state dict FSDP would build (``state`` and ``param_groups`` keyed by parameter name):
+    each state of a parameter's shape a ``ShardedTensor`` of views of this rank's state, each scalar (Adam's
+    ``step``) as it is, from every rank that holds one (torch writes it once)."""
+    flats = _known(model)
+    found = _shard_layout.layout(model, optimizer)
+    if found is None:
+        raise UnknownLayout("the optimizer holds a parameter outside FSDP's flat parameters")
+    every_rank: Dict[str, List[Tuple[int, Piece]]] = {}
+    for flat in flats:
+        every_rank.update(_by_name(flat.every_rank))
+    rank = flats[0].rank
+    state: Dict[str, Dict[str, Any]] = {}
+    for param in (param for group in found.params for param in group):
+        values = optimizer.state.get(param)
+        if not values:
+            continue  # not stepped yet, or no element of this parameter here (use_orig_params=True)
+        layout = found.shards[id(param)]
+        for name in layout.names:
+            own = [piece for piece in layout.pieces if piece.name == name]
+            state[name] = {key: _optimizer_value(key, value, layout.numel, found.shapes[name], own, every_rank.get(name, []), rank)
+                           for key, value in values.items()}
+    groups = []
+    for group, names in zip(optimizer.param_groups, _shard_layout.names_by_group(found)):
+        groups.append({**copy.deepcopy({key: value for key, value in group.items() if key != "params"}), "params": names})
+    return {"state": state, "param_groups": groups}
+
+
+def _optimizer_value(key: str, value: Any, numel: int, shape: Tuple[int, ...], own: Sequence[Piece],
+                     every_rank: Sequence[Tuple[int, Piece]], rank: int) -> Any:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise UnknownLayout(f"the optimizer state {key!r} is not a tensor")
+    if value.dim() == 0:
+        return value  # the same on every rank holding the parameter, as FSDP's builder leaves it
+    if value.dim() != 1 or value.numel() != numel:
+        raise UnknownLayout(f"the optimizer state {key!r} is neither a scalar nor shaped as its parameter's shard")
+    return _sharded(value.detach(), shape, own, every_rank, rank)
+
+
+def _known(model: Any) -> List[FlatShard]:
+    """``model``'s flat shards where every one is laid out as this module reads (the same answer on every rank)."""
+    import torch.distributed as dist
+
+    flats = _shard_layout.flat_shards(model)
+    if flats is None:
+        raise UnknownLayout("FSDP's flat-parameter layout is not one this package reads (no sharded flat parameter)")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    for flat in flats:
+        if not flat.whole_shards or flat.world != world:
+            raise UnknownLayout("FSDP's sharding strategy replicates shards (hybrid sharding) or shards over a subgroup")
+        if flat.every_rank is None:
+            raise UnknownLayout("the flat parameter's layout over the ranks cannot be worked out on this torch")
+        if any(len(shape) == 0 or 0 in shape for shape in flat.shapes):
+            raise UnknownLayout("a parameter is a scalar or empty")
+    return flats
+
+
+def _by_name(every_rank: Optional[Iterable[Iterable[Piece]]]) -> Dict[str, List[Tuple[int, Piece]]]:
+    found: Dict[str, List[Tuple[int, Piece]]] = {}
+    for rank, pieces in enumerate(every_rank or ()):
+        for piece in pieces:
+            found.setdefault(piece.name, []).append((rank, piece))
+    return found
+
+
+def _casts_buffers(module: Any) -> bool:
+    """Whether an FSDP unit of ``module``'s casts its buffers (``MixedPrecision(buffer_dtype=...)``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return any(getattr(getattr(unit, "mixed_precision", None), "buffer_dtype", None) is not None
+               for unit in FSDP.fsdp_modules(module))
+
+
+def _sharded(tensor: Any, shape: Tuple[int, ...], own: Sequence[Piece], every_rank: Sequence[Tuple[int, Piece]],
+             rank: int) -> Any:
+    """A ``ShardedTensor`` of ``shape`` whose local shards are views of the 1-D ``tensor`` at ``own``'s places, and
+    whose global layout is every rank's pieces, each cut into rectangles."""
+    import math
+
+    import torch
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    placement = f"/{tensor.device}"
+    layout = [ShardMetadata(list(offsets), list(sizes), f"rank:{r}{placement}")
+              for r, piece in every_rank for offsets, sizes in _shard_layout.boxes(shape, piece.start, piece.stop)]
+    local = []
+    for piece in own:
+        at = piece.at
+        for offsets, sizes in _shard_layout.boxes(shape, piece.start, piece.stop):
+            numel = math.prod(sizes)
+            local.append(Shard(tensor[at : at + numel].view(sizes), ShardMetadata(list(offsets), list(sizes), f"rank:{rank}{placement}")))
+            at += numel
+    properties = TensorProperties(dtype=tensor.dtype, layout=torch.strided, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    metadata = ShardedTensorMetadata(shards_metadata=layout, size=torch.Size(shape), tensor_properties=properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata)
