@@ -55,10 +55,7 @@ class FlatShard(NamedTuple):
     shared: bool  # some original parameter appears under a second name (tied weights)
     rank: int  # this rank, and how many share the flat parameter, in FSDP's process group
     world: int
-    # ``pieces`` of every rank of that group, worked out from the flat parameter's layout (None where this module
-    # cannot: torch 2.0 lacks ``_numels_with_padding``, or the sums disagree)
-    every_rank: Optional[Tuple[Tuple[Piece, ...], ...]]
-    whole_shards: bool  # FULL_SHARD or SHARD_GRAD_OP: each element on exactly one rank of the world
+    whole_shards: bool  # FULL_SHARD or SHARD_GRAD_OP: each element on exactly one rank of that group
 
 
 class Layout(NamedTuple):
@@ -103,40 +100,10 @@ def flat_shards(model: Any) -> Optional[List[FlatShard]]:
             if originals is None or len(originals) != len(names):
                 return None
         shapes = tuple(tuple(shape) for shape in flat._shapes)
-        every_rank = _pieces_of_every_rank(flat, names, handle.world_size)
-        if every_rank is not None and every_rank[handle.rank] != pieces:
-            every_rank = None
         strategy = getattr(getattr(handle, "_sharding_strategy", None), "name", "")
         found.append(FlatShard(flat, names, shapes, pieces, originals, bool(flat._shared_param_infos), handle.rank,
-                               handle.world_size, every_rank, strategy in ("FULL_SHARD", "SHARD_GRAD_OP")))
+                               handle.world_size, strategy in ("FULL_SHARD", "SHARD_GRAD_OP")))
     return found or None
-
-
-def _pieces_of_every_rank(flat: Any, names: Tuple[str, ...], world: int) -> Optional[Tuple[Tuple[Piece, ...], ...]]:
-    """Which elements of which original parameter each rank holds: FSDP cuts the flat parameter as ``torch.chunk``
-    does (rank ``r`` holds elements ``[r * size, (r + 1) * size)``, ``size`` rounded up), and the originals lie in it
-    one after another, with alignment padding between them where ``_is_padding_mask`` says (torch 2.1 on)."""
-    numels, padding = getattr(flat, "_numels_with_padding", None), getattr(flat, "_is_padding_mask", None)
-    total = flat._unpadded_unsharded_size.numel()
-    if numels is None or padding is None or len(numels) != len(padding) or sum(numels) != total or not total:
-        return None
-    spans, begin = [], 0
-    for numel, is_padding in zip(numels, padding):
-        if not is_padding:
-            spans.append((begin, begin + numel))
-        begin += numel
-    if len(spans) != len(names):
-        return None
-    size = -(-total // world)
-    every_rank = []
-    for rank in range(world):
-        low, high = rank * size, min((rank + 1) * size, total)
-        every_rank.append(tuple(
-            Piece(name, max(low, first) - first, min(high, last) - first, max(low, first) - low)
-            for name, (first, last) in zip(names, spans)
-            if max(low, first) < min(high, last)
-        ))
-    return tuple(every_rank)
 
 
 def layout(model: Any, optimizer: Any) -> Optional[Layout]:
@@ -405,7 +372,7 @@ class ViewsReader:
             at += numel
 
     def read(self, reader: Any) -> None:
-        """Through torch DCP's storage ``reader`` (torch >= 2.5, where these loaders run: ``dcp.load``)."""
+        """Through torch DCP's storage ``reader`` (torch >= 2.2, where these loaders run: ``dcp.load``)."""
         compat.load_distributed({}, reader, _into_views_planner(self.views))
 
 

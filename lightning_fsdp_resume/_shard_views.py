@@ -4,15 +4,15 @@ gathering and no copy.
 FSDP1's own sharded state dicts all-gather every flat parameter and optimizer state and cut them again by rows,
 on every rank, at every save. A rank's part of an original parameter is already a run of its flattened elements,
 that is a few rectangles of its shape (``_shard_layout.boxes``); here each becomes a view of the flat shard, in a
-``ShardedTensor`` with one local shard per rectangle, whose global layout every rank works out alike from FSDP's.
-torch.distributed.checkpoint writes those rectangles and resolves them against any request, so a checkpoint
-means what FSDP's builder's means: the same entries, names, shapes and values.
+``ShardedTensor`` with one local shard per rectangle. torch.distributed.checkpoint writes those rectangles, checks
+on the coordinator that every rank's together cover each tensor once, and any reader resolves them against what
+it asks for, so a checkpoint means what FSDP's builder's means: the same entries, names, order, shapes and values.
 
 ``model_state`` and ``optimizer_state`` raise ``UnknownLayout`` where this does not apply; the caller then uses
 FSDP's builder, on every rank (``agreed``). torch is imported inside the functions.
 """
 import copy
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _shard_layout
 from ._ranks import everyone
@@ -53,18 +53,18 @@ def model_state(model: Any) -> Dict[str, Any]:
     params: Dict[str, Dict[str, Any]] = {}  # by the module that owns them, in registration order within it
     for flat in flats:
         shard = flat.param._local_shard.detach()  # the shard even where the unit holds a gathered copy
-        every_rank = _by_name(flat.every_rank)
         for name, shape in zip(flat.names, flat.shapes):
             own = [piece for piece in flat.pieces if piece.name == name]
-            params.setdefault(name.rpartition(".")[0], {})[name] = _sharded(shard, shape, own, every_rank.get(name, []), flat.rank)
+            params.setdefault(name.rpartition(".")[0], {})[name] = _sharded(shard, shape, own, flat.rank, flat.world)
     # Module.state_dict()'s order, which readers take the modules' order from: a module's parameters, then its
     # buffers, then its children's
     state: Dict[str, Any] = {}
+    casts = _casts_buffers(model)
     for module_name, module in model.named_modules():
         module_name = clean_module_name(module_name)
         if type(module).get_extra_state is not nn.Module.get_extra_state:
             raise UnknownLayout(f"module {module_name!r} has extra state")
-        if module._buffers and _casts_buffers(module):
+        if casts and set(module._buffers) - set(module._non_persistent_buffers_set):
             raise UnknownLayout("FSDP's mixed precision casts buffers, which its state dict casts back")
         state.update(params.pop(module_name, {}))
         for buffer_name, buffer in module._buffers.items():
@@ -83,10 +83,7 @@ def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:
     found = _shard_layout.layout(model, optimizer)
     if found is None:
         raise UnknownLayout("the optimizer holds a parameter outside FSDP's flat parameters")
-    every_rank: Dict[str, List[Tuple[int, Piece]]] = {}
-    for flat in flats:
-        every_rank.update(_by_name(flat.every_rank))
-    rank = flats[0].rank
+    rank, world = flats[0].rank, flats[0].world
     state: Dict[str, Dict[str, Any]] = {}
     for param in (param for group in found.params for param in group):
         values = optimizer.state.get(param)
@@ -95,7 +92,7 @@ def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:
         layout = found.shards[id(param)]
         for name in layout.names:
             own = [piece for piece in layout.pieces if piece.name == name]
-            state[name] = {key: _optimizer_value(key, value, layout.numel, found.shapes[name], own, every_rank.get(name, []), rank)
+            state[name] = {key: _optimizer_value(key, value, layout.numel, found.shapes[name], own, rank, world)
                            for key, value in values.items()}
     groups = []
     for group, names in zip(optimizer.param_groups, _shard_layout.names_by_group(found)):
@@ -103,8 +100,8 @@ def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _optimizer_value(key: str, value: Any, numel: int, shape: Tuple[int, ...], own: Sequence[Piece],
-                     every_rank: Sequence[Tuple[int, Piece]], rank: int) -> Any:
+def _optimizer_value(key: str, value: Any, numel: int, shape: Tuple[int, ...], own: Sequence[Piece], rank: int,
+                     world: int) -> Any:
     import torch
 
     if not isinstance(value, torch.Tensor):
@@ -113,7 +110,7 @@ def _optimizer_value(key: str, value: Any, numel: int, shape: Tuple[int, ...], o
         return value  # the same on every rank holding the parameter, as FSDP's builder leaves it
     if value.dim() != 1 or value.numel() != numel:
         raise UnknownLayout(f"the optimizer state {key!r} is neither a scalar nor shaped as its parameter's shard")
-    return _sharded(value.detach(), shape, own, every_rank, rank)
+    return _sharded(value.detach(), shape, own, rank, world)
 
 
 def _known(model: Any) -> List[FlatShard]:
@@ -123,37 +120,31 @@ def _known(model: Any) -> List[FlatShard]:
     flats = _shard_layout.flat_shards(model)
     if flats is None:
         raise UnknownLayout("FSDP's flat-parameter layout is not one this package reads (no sharded flat parameter)")
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     for flat in flats:
-        if not flat.whole_shards or flat.world != world:
+        if not flat.whole_shards or (flat.rank, flat.world) != (rank, world):
             raise UnknownLayout("FSDP's sharding strategy replicates shards (hybrid sharding) or shards over a subgroup")
-        if flat.every_rank is None:
-            raise UnknownLayout("the flat parameter's layout over the ranks cannot be worked out on this torch")
         if any(len(shape) == 0 or 0 in shape for shape in flat.shapes):
             raise UnknownLayout("a parameter is a scalar or empty")
     return flats
 
 
-def _by_name(every_rank: Optional[Iterable[Iterable[Piece]]]) -> Dict[str, List[Tuple[int, Piece]]]:
-    found: Dict[str, List[Tuple[int, Piece]]] = {}
-    for rank, pieces in enumerate(every_rank or ()):
-        for piece in pieces:
-            found.setdefault(piece.name, []).append((rank, piece))
-    return found
-
-
 def _casts_buffers(module: Any) -> bool:
-    """Whether an FSDP unit of ``module``'s casts its buffers (``MixedPrecision(buffer_dtype=...)``)."""
+    """Whether an FSDP unit of ``module`` casts buffers (``MixedPrecision(buffer_dtype=...)``)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return any(getattr(getattr(unit, "mixed_precision", None), "buffer_dtype", None) is not None
                for unit in FSDP.fsdp_modules(module))
 
 
-def _sharded(tensor: Any, shape: Tuple[int, ...], own: Sequence[Piece], every_rank: Sequence[Tuple[int, Piece]],
-             rank: int) -> Any:
-    """A ``ShardedTensor`` of ``shape`` whose local shards are views of the 1-D ``tensor`` at ``own``'s places, and
-    whose global layout is every rank's pieces, each cut into rectangles."""
+def _sharded(tensor: Any, shape: Tuple[int, ...], own: Sequence[Piece], rank: int, world: int) -> Any:
+    """A ``ShardedTensor`` of ``shape`` whose local shards are views of the 1-D ``tensor`` at ``own``'s places.
+
+    Its global layout lists those rectangles and, as another rank's, the rest of the tensor: torch checks that the
+    list covers the tensor once, and DCP's save reads only the local shards, the size and the properties (its
+    coordinator checks the rectangles every rank actually writes). So nothing of the other ranks is worked out or
+    exchanged, and the check stays a few rectangles long on any number of ranks."""
     import math
 
     import torch
@@ -161,16 +152,20 @@ def _sharded(tensor: Any, shape: Tuple[int, ...], own: Sequence[Piece], every_ra
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-    placement = f"/{tensor.device}"
-    layout = [ShardMetadata(list(offsets), list(sizes), f"rank:{r}{placement}")
-              for r, piece in every_rank for offsets, sizes in _shard_layout.boxes(shape, piece.start, piece.stop)]
-    local = []
+    device = f"/{tensor.device}"
+    local, layout = [], []
     for piece in own:
         at = piece.at
         for offsets, sizes in _shard_layout.boxes(shape, piece.start, piece.stop):
             numel = math.prod(sizes)
-            local.append(Shard(tensor[at : at + numel].view(sizes), ShardMetadata(list(offsets), list(sizes), f"rank:{rank}{placement}")))
+            metadata = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}{device}")
+            local.append(Shard(tensor[at : at + numel].view(sizes), metadata))
+            layout.append(metadata)
             at += numel
+    other, end, held = f"rank:{(rank + 1) % world}{device}", math.prod(shape), 0
+    for start, stop in [(piece.start, piece.stop) for piece in sorted(own, key=lambda piece: piece.start)] + [(end, end)]:
+        layout += [ShardMetadata(list(offsets), list(sizes), other) for offsets, sizes in _shard_layout.boxes(shape, held, start)]
+        held = stop
     properties = TensorProperties(dtype=tensor.dtype, layout=torch.strided, requires_grad=False,
                                   memory_format=torch.contiguous_format, pin_memory=False)
     metadata = ShardedTensorMetadata(shards_metadata=layout, size=torch.Size(shape), tensor_properties=properties)

@@ -30,8 +30,9 @@ CONSOLIDATE_MIN = (2, 2)
 CPU_FSDP_MIN = (2, 2)
 # torch 2.2 alone gathers an optimizer state of use_orig_params=True through torch.cuda calls.
 CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE = (2, 2)
-# Sharded saves built from the flat shards (``_shard_views``): from the oldest release their multi-rank tests run on.
-GATHER_FREE_SAVE = CPU_FSDP_MIN
+# Saves built from FSDP's flat shards as views (``_shard_views``), loads read straight into them (``_shard_layout``):
+# from the oldest release their multi-rank tests run on. Before, FSDP's own state dicts, which gather.
+_FLAT_SHARD_IO = CPU_FSDP_MIN
 # torch 2.3 adds dcp.async_save: a sharded save written in a background thread.
 ASYNC_SAVE = (2, 3)
 
@@ -49,9 +50,13 @@ def supports_sharded_checkpoints() -> bool:
 
 
 def new_state_dict_api() -> bool:
-    """torch >= 2.5: torch.distributed.checkpoint.state_dict's API, and this package's loaders straight into the shards
-    (``_shard_layout``), which read the same flat-parameter layout."""
+    """torch >= 2.5: torch.distributed.checkpoint.state_dict's API."""
     return torch_release() >= _STATE_DICT_API
+
+
+def through_flat_shards() -> bool:
+    """Whether sharded saves and loads go straight from and into FSDP's flat shards, gathering nothing (torch >= 2.2)."""
+    return torch_release() >= _FLAT_SHARD_IO
 
 
 def takes(function: Callable, argument: str) -> bool:
@@ -208,7 +213,31 @@ def _fsspec_storage(name: str, url: str) -> Any:
 
 def save_distributed(state: Dict[str, Any], writer: Any) -> None:
     """Every rank writes its part of ``state`` through torch DCP's storage ``writer``."""
-    _run_dcp("save", state, storage_writer=writer)
+    _run_dcp("save", state, storage_writer=writer, planner=_save_planner())
+
+
+def _save_planner() -> Any:
+    """DCP's save planner, its index (``.metadata``) listing the keys in the coordinator's state-dict order.
+
+    DCP lists a key where the first rank that writes a rectangle of it has it, so a save built from views of the
+    flat shards (``_shard_views``), where rank 0 holds no rectangle of some parameters, would list those after all of
+    rank 0's; readers that number parameters by the modules' order (``_sharded_reader``) take it from that list.
+    Every rank's state dict names every parameter, so rank 0's order is the state dicts' own."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class InStateDictOrder(DefaultSavePlanner):
+        def create_global_plan(self, all_plans: Any) -> Any:
+            global_plan, metadata = super().create_global_plan(all_plans)
+            stored = metadata.state_dict_metadata
+            # the flattened keys of this rank's whole state dict (self.state_dict has lost those of no rectangle here)
+            ordered = {key: stored[key] for key in self.mappings if key in stored}
+            ordered.update((key, value) for key, value in stored.items() if key not in ordered)
+            self.metadata = dataclasses.replace(metadata, state_dict_metadata=ordered)
+            return global_plan, self.metadata
+
+    return InStateDictOrder()
 
 
 def saves_in_background() -> bool:
@@ -224,9 +253,10 @@ def save_distributed_in_background(state: Dict[str, Any], writer: Any, group: An
 
     if takes(dcp.async_save, "async_stager"):
         # torch 2.13's async_save takes a stager; its default one copies the state again, doubling a save's memory
-        return dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=_AlreadyStaged())
+        return dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=_AlreadyStaged(),
+                              planner=_save_planner())
     # torch 2.4's stages through the writer, which moves the state to the CPU, where it already is: no copy
-    return dcp.async_save(state, storage_writer=writer, process_group=group)
+    return dcp.async_save(state, storage_writer=writer, process_group=group, planner=_save_planner())
 
 
 class _AlreadyStaged:
