@@ -4,7 +4,7 @@ straight into their shards, from a sharded directory or a full file.
 
 What differs between the callers is a ``Request`` each makes: which checkpoint entries hold the module and the
 optimizers, the module's name prefix, strictness, what else rank 0 checks. Each rank reads the checkpoint through
-one location, so each file once. Where torch >= 2.5 allows, weights and optimizer states go straight into the
+one location, so each file once. Where torch >= 2.2 allows, weights and optimizer states go straight into the
 shards (``_shard_layout``, handed the location's reader); elsewhere through torch's loaders (``_torch_compat``).
 Nothing here knows about patching or about the Trainer or Fabric.
 """
@@ -146,7 +146,7 @@ def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
         # Read each rank's elements straight into its flat parameters: no state-dict template.
         keys = _loadable_keys(path, restore, _format.strip_prefix(shapes, prefix), stored)
         _shard_layout.read_model_into_shards(module, path.dcp_reader(), {prefix + name: f"{key}.{name}" for name in keys})
-        model_state: Dict[str, Any] = {}  # only the torch < 2.5 optimizer loader reads it
+        model_state: Dict[str, Any] = {}  # the torch < 2.5 optimizer loader makes it where it needs it
     else:
         model_state = _format.strip_prefix(compat.model_state_dict(module, full=False, offload=False), prefix)
         keys = _loadable_keys(path, restore, _verify.tensor_shapes(model_state), stored)
@@ -233,18 +233,18 @@ def _loadable_keys(path: Location, restore: Restore, expected: Dict[str, Any], s
 
 
 def model_parameter_shapes(model: Any) -> Any:
-    """torch >= 2.5: the model's state-dict entries and full shapes when all of them are parameters FSDP
+    """torch >= 2.2: the model's state-dict entries and full shapes when all of them are parameters FSDP
     shards, which ``_shard_layout``'s loaders then read straight into the flat parameters; else None.
 
-    get_model_state_dict's template gathers every FSDP unit to re-chunk it, and set_model_state_dict
-    gathers them again to copy it in; those loaders read or copy each rank's elements into its flat parameters.
+    FSDP's sharded state-dict template gathers every FSDP unit to re-chunk it, and its load gathers them again to
+    copy it in; those loaders read or copy each rank's elements into its flat parameters.
     """
-    return _shard_layout.parameter_shapes(model) if compat.new_state_dict_api() else None
+    return _shard_layout.parameter_shapes(model) if compat.through_flat_shards() else None
 
 
 def optimizer_parameter_names(model: Any, optimizer: Any) -> list:
     """Each param group's parameter names; for a flat parameter, those of the original parameters in it."""
-    found = _shard_layout.layout(model, optimizer) if compat.new_state_dict_api() else None
+    found = _shard_layout.layout(model, optimizer) if compat.through_flat_shards() else None
     if found is not None:
         return _shard_layout.names_by_group(found)
     state = compat.optimizer_state_dict(model, optimizer, full=False, offload=False)
@@ -253,12 +253,12 @@ def optimizer_parameter_names(model: Any, optimizer: Any) -> list:
 
 def load_full_optimizer_state(model: Any, optimizer: Any, state: Dict[str, Any], prefix: str) -> None:
     """Load a full, name-keyed optimizer state whose names lack the model's ``prefix``; every rank passes it."""
-    found = _shard_layout.layout(model, optimizer) if compat.new_state_dict_api() else None
+    found = _shard_layout.layout(model, optimizer) if compat.through_flat_shards() else None
     if found is None:
         compat.load_optimizer_state_dict(model, optimizer, _format.add_optimizer_prefix(state, prefix), full=True)
         return
-    # torch >= 2.5: set_optimizer_state_dict converts the whole state to FSDP's layout first (twice the
-    # memory of native 2.1.4, which uses FSDP.optim_state_dict_to_load); this slices out what the rank holds.
+    # torch's loaders convert the whole state to FSDP's layout first (torch >= 2.5's set_optimizer_state_dict: twice
+    # the memory of native 2.1.4, which uses FSDP.optim_state_dict_to_load); this slices out what the rank holds.
     by_name = {prefix + name: value for name, value in state["state"].items()}
     source = _shard_layout.FullSource(by_name, found.shapes)
     _shard_layout.load_into_shards(optimizer, found, source, state["param_groups"])
@@ -273,16 +273,16 @@ def load_sharded_optimizer_state(
     the checkpoint's index (``Location.read_index``); ``prefix`` is what the model's parameter names have
     before the names the checkpoint stores.
     """
+    found = _shard_layout.layout(model, optimizer) if compat.through_flat_shards() else None
+    if found is not None:
+        # torch's templates (below) initialise the optimizer state and re-chunk it per parameter, gathering (about
+        # 2.6 times the shard on torch 2.13). This reads into the state's final layout instead.
+        stored = functools.partial(_format.strip_name, prefix=prefix)
+        source = _shard_layout.CheckpointSource(path.dcp_reader(), key, shards, found.shapes, stored)
+        if source.readable():
+            _shard_layout.load_into_shards(optimizer, found, source, _saved_param_groups(path, key, shards))
+            return
     if compat.new_state_dict_api():
-        found = _shard_layout.layout(model, optimizer)
-        if found is not None:
-            # get_optimizer_state_dict's template (below) initialises the optimizer state and re-chunks it
-            # per parameter: about 2.6 times the shard. This reads into the state's final layout instead.
-            stored = functools.partial(_format.strip_name, prefix=prefix)
-            source = _shard_layout.CheckpointSource(path.dcp_reader(), key, shards, found.shapes, stored)
-            if source.readable():
-                _shard_layout.load_into_shards(optimizer, found, source, _saved_param_groups(path, key, shards))
-                return
         # The new API builds a complete template (it initialises empty optimizer state); load fills it in.
         # Only the tensors go through dcp.load: the param groups' hyperparameters are read as saved and
         # laid over the optimizer's current ones. Loading them into the template fails when a newer torch
@@ -297,6 +297,8 @@ def load_sharded_optimizer_state(
     else:
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
+        if not model_state:  # the weights were read straight into the shards: its template is the model's layout
+            model_state = _format.strip_prefix(compat.model_state_dict(model, full=False, offload=False), prefix)
         loaded = load_sharded_optimizer_state_dict(
             model_state_dict=model_state, optimizer_key=key, storage_reader=path.dcp_reader()
         )
