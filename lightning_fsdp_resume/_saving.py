@@ -79,7 +79,7 @@ def _built(from_shards: Callable[..., Dict[str, Any]], args: Tuple[Any, ...], fs
     """``from_shards(*args)`` where every rank can build it (torch >= 2.2, a layout ``_shard_views`` knows), else
     ``fsdps()``: FSDP's builder, which gathers every flat parameter. The views stay where the shards are: torch's
     writer moves each item to the host as it writes it."""
-    if not FROM_SHARDS or compat.torch_release() < compat.GATHER_FREE_SAVE:
+    if not FROM_SHARDS or not compat.through_flat_shards():
         return fsdps()
     try:
         state = _shard_views.agreed(from_shards, *args)

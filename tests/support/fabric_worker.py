@@ -321,6 +321,7 @@ def main() -> None:
     parser.add_argument("--kill", default=None, help="POINT:RANK:SAVE, see faults.kill_during_saves")
     parser.add_argument("--errors", type=Path, default=None, help="make the refused calls, with this checkpoint")
     parser.add_argument("--async-save", action="store_true", help="FSDPStrategy(async_save=True)")
+    parser.add_argument("--fsdp-builder", action="store_true", help="sharded saves build their state dicts with FSDP's builder")
     parser.add_argument("--wrap", choices=["policy", "root"], default="policy",
                         help="policy: an FSDP unit per nn.Sequential; root: no auto_wrap_policy, the root unit only")
     parser.add_argument("--evaluate", action="store_true", help="a forward under no_grad after each epoch")
@@ -334,6 +335,8 @@ def main() -> None:
     configure(args.fsspec_conf)
 
     enable_cpu_fsdp()
+    if args.fsdp_builder:
+        states.build_with_fsdp()
     run = Run(args)
     if args.kill:
         point, rank, save = args.kill.split(":")

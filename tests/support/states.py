@@ -125,3 +125,11 @@ def file_hashes(path: Path) -> Dict[str, str]:
 
 def info(directory: Path, name: str, rank: int = 0) -> dict:
     return json.loads((directory / f"info_{name}_rank{rank}.json").read_text())
+
+
+def build_with_fsdp() -> None:
+    """This process's sharded saves build their state dicts with FSDP's builder, which gathers, instead of from each
+    rank's flat shards: the two must write checkpoints that read back the same."""
+    from lightning_fsdp_resume import _saving
+
+    _saving.FROM_SHARDS = False

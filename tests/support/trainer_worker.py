@@ -417,6 +417,7 @@ def main() -> None:
     parser.add_argument("--then", nargs="*", default=[], help="steps after the first call in the same processes, see run_steps")
     parser.add_argument("--async-save", action="store_true", help="Trainer(plugins=[AsyncCheckpointIO()])")
     parser.add_argument("--keep-gathered-copies", action="store_true", help="see faults.keep_gathered_copies")
+    parser.add_argument("--fsdp-builder", action="store_true", help="sharded saves build their state dicts with FSDP's builder")
     parser.add_argument("--sharding-strategy", default=None, help="FSDP's, by name (SHARD_GRAD_OP, say); default FULL_SHARD")
     parser.add_argument("--record-error", action="store_true", help="each rank writes what the call raised to OUT/error_rankN.txt")
     parser.add_argument("--trust-pickles", action="store_true", help="the call's weights_only=False (Lightning 2.6's keyword)")
@@ -444,6 +445,8 @@ def main() -> None:
         trace_saves(trainer.strategy, args.out / f"saves_rank{os.environ.get('RANK', '0')}.txt", args.trace_saves)
     if args.keep_gathered_copies:
         keep_gathered_copies()
+    if args.fsdp_builder:
+        states.build_with_fsdp()
     if args.cut:
         point, rank, save, port = args.cut.split(":")
         kill_during_saves(trainer.strategy, point, int(rank), int(save), fault=cut_network(int(port)))

@@ -1,0 +1,95 @@
+"""Sharded saves built from each rank's flat shards, gathering nothing, write checkpoints that every reader reads
+exactly as it reads those FSDP's own builder writes: the same state, saved both ways by real 2-rank runs, is read
+back whole and compared bit for bit, and training is the same either way. Where the layout is not one the package
+knows, FSDP's builder is used, and a debug line says why.
+"""
+import logging
+
+import pytest
+import torch
+
+from lightning_fsdp_resume import _saving, _sharded_reader
+from lightning_fsdp_resume import _torch_compat as compat
+from lightning_fsdp_resume._storage import open_path
+from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
+from support.flavours import NATIVE
+from support.marks import needs_cpu_fsdp
+from support.ranks import EPOCHS, config, fabric_config, fabric_worker, worker
+from support.states import assert_identical, assert_ranks_identical
+
+pytestmark = [needs_cpu_fsdp, pytest.mark.skipif(NATIVE, reason="native Lightning saves with FSDP's builder")]
+
+
+def _read(checkpoint):
+    return _sharded_reader.read_full_checkpoint(open_path(checkpoint, "load"))[0]
+
+
+def _chunks(checkpoint):
+    """Each stored tensor's rectangles, as ``.metadata`` lists them."""
+    index = open_path(checkpoint, "load").read_index()
+    return {key: sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            for key, entry in index.state_dict_metadata.items() if hasattr(entry, "chunks")}
+
+
+def _weights(keys):
+    """The stored weights' keys in their order, which readers number parameters by (an optimizer's states are found
+    by name, and FSDP's builder lists them in an order of its own)."""
+    return [key for key in keys if not key.partition(".")[2].startswith(("state.", "param_groups"))]
+
+
+def _assert_same_reading(from_shards, fsdps, entries):
+    """Both checkpoints read back the same ``entries`` and list their weights in the same order, though their shards are
+    cut differently (so the one from the shards was not FSDP's builder's)."""
+    ours, theirs = _read(from_shards), _read(fsdps)
+    for entry in entries:
+        assert_identical(theirs[entry], ours[entry], f"{entry!r} of {from_shards.name}")
+    mine, fsdp = _chunks(from_shards), _chunks(fsdps)
+    assert _weights(mine) == _weights(fsdp), "the index lists the weights in another order (readers number parameters by it)"
+    assert any(mine[key] != fsdp[key] for key in mine), "the shards are cut as FSDP's builder cuts them"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("use_orig_params, wrap, net", [(0, "root", "buffered"), (1, "policy", "net")])
+def test_a_trainer_save_from_the_shards_reads_back_as_fsdps_builder_writes_it(tmp_path, use_orig_params, wrap, net):
+    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
+    if not supported:
+        pytest.skip(why)
+    runs = {}
+    for builder, flags in (("shards", []), ("fsdp", ["--fsdp-builder"])):
+        root = runs[builder] = tmp_path / builder
+        worker(root, *config(root, "sharded", use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net, *flags)
+    for epoch in range(EPOCHS):
+        name = f"epoch={epoch}.ckpt"
+        _assert_same_reading(runs["shards"] / "ckpt" / name, runs["fsdp"] / "ckpt" / name, ["state_dict", "optimizer_states"])
+    assert_ranks_identical(runs["fsdp"] / "out", "final", runs["shards"] / "out", "final")
+
+
+@pytest.mark.multirank
+def test_a_fabric_save_from_the_shards_reads_back_as_fsdps_builder_writes_it(tmp_path, fabric_reference):
+    ref = fabric_reference("sharded")
+    fabric_worker(tmp_path, *fabric_config(tmp_path, "sharded"), "--epochs", EPOCHS, "--fsdp-builder")
+    saved = sorted(path.name for path in (ref / "ckpt").iterdir() if not path.name.startswith("."))
+    assert saved
+    for name in saved:
+        ours = _read(ref / "ckpt" / name)
+        _assert_same_reading(ref / "ckpt" / name, tmp_path / "ckpt" / name, list(ours))
+    assert_ranks_identical(tmp_path / "out", "final", ref / "out", "final")
+
+
+def test_a_layout_the_package_does_not_know_is_saved_by_fsdps_builder(process_group, caplog):
+    """One rank: FSDP shards nothing (NO_SHARD), so there are no flat shards to build from."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"),
+                 sharding_strategy=ShardingStrategy.NO_SHARD)
+    with caplog.at_level(logging.DEBUG, logger=_saving.__name__):
+        state = _saving.sharded_model_state(model, offload=False)
+    expected = compat.model_state_dict(model, full=False, offload=False)
+    assert_identical({k: _whole(v) for k, v in expected.items()}, {k: _whole(v) for k, v in state.items()}, "the state")
+    assert "FSDP builds this sharded state dict: FSDP's flat-parameter layout is not one" in caplog.text
+
+
+def _whole(value):
+    return value.local_shards()[0].tensor if hasattr(value, "local_shards") else getattr(value, "_local_tensor", value)
