@@ -8,7 +8,7 @@ Nothing here knows about patching or about the Trainer or Fabric.
 """
 import copy
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import _torch_compat as compat
 from ._ranks import describe, failures
@@ -127,11 +127,41 @@ def _attempt(action: Callable[[], Any]) -> Optional[BaseException]:
 # --- the copy a save in the background writes ---------------------------------------------------
 
 
+class Live:
+    """Where training's tensors keep their data (``tensors``: the module's and the optimizers'), to tell whether
+    another tensor's data lies in it: a view of a flat shard, or a tensor over a slice of its storage."""
+
+    def __init__(self, tensors: Iterable[Any]) -> None:
+        self.storages: Dict[Tuple[str, int], Any] = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            known = self.storages.get(key)
+            if storage.nbytes() and (known is None or storage.nbytes() > known.nbytes()):
+                self.storages[key] = storage
+        self.starts: Dict[str, List[int]] = {}
+        for device, ptr in sorted(self.storages):
+            self.starts.setdefault(device, []).append(ptr)
+
+    def holding(self, tensor: Any) -> Optional[Any]:
+        """The live storage ``tensor``'s data lies in, or None."""
+        import bisect
+
+        device, ptr = str(tensor.device), tensor.untyped_storage().data_ptr()
+        starts = self.starts.get(device, [])
+        index = bisect.bisect_right(starts, ptr) - 1
+        if index < 0:
+            return None
+        storage = self.storages[(device, starts[index])]
+        return storage if ptr < starts[index] + storage.nbytes() else None
+
+
 class Staging:
     """This rank's host buffers for what a save in the background copies of the live state, kept from one save to
     the next: copying into memory already touched costs the copy alone, where new memory first faults in every
-    page. One buffer per storage of a live tensor (a flat shard, an optimizer state), copied whole once per save,
-    the tensors then views of it; reused only once the save that wrote from it is finished (``wait``)."""
+    page. One buffer per live storage (a flat shard, an optimizer state), copied whole once per save; a tensor
+    then lies in its buffer where it lay in the storage (over as exact a slice of it as the tensor had). Reused only
+    once the save that wrote from it is finished (``wait``)."""
 
     def __init__(self) -> None:
         self.kept: Dict[Tuple[int, int, str], Any] = {}
@@ -141,21 +171,22 @@ class Staging:
         """A new save: the buffers the last one used are kept, any other is dropped."""
         self.kept, self.this_save = self.this_save, {}
 
-    def copy(self, tensor: Any) -> Any:
-        """``tensor`` as it is now, in host memory: a view of its storage's copy, made once per save."""
+    def copy(self, tensor: Any, base: Any) -> Any:
+        """``tensor``, whose data lies in the live storage ``base``, as it is now, in host memory."""
         import torch
 
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
+        key = (base.data_ptr(), base.nbytes(), str(tensor.device))
         buffer = self.this_save.get(key)
         if buffer is None:
             buffer = self.kept.get(key)
             if buffer is None:
-                buffer = torch.empty(storage.nbytes(), dtype=torch.uint8)
-            buffer.copy_(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
+                buffer = torch.empty(base.nbytes(), dtype=torch.uint8)
+            buffer.copy_(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(base))
             self.this_save[key] = buffer
+        storage = tensor.untyped_storage()
+        at = storage.data_ptr() - base.data_ptr()
         view = torch.empty(0, dtype=tensor.dtype)
-        return view.set_(buffer.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+        return view.set_(buffer.untyped_storage()[at : at + storage.nbytes()], tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 def staging(strategy: Any) -> Staging:
@@ -167,11 +198,11 @@ def staging(strategy: Any) -> Staging:
     return kept
 
 
-def host_copy(obj: Any, live: Optional[Set[int]] = None, staged: Optional[Staging] = None) -> Any:
+def host_copy(obj: Any, live: Optional[Live] = None, staged: Optional[Staging] = None) -> Any:
     """``obj`` as it is now, for a save that writes it while training goes on: its accelerator tensors copied into
-    host memory, its other leaves deep-copied. ``live``: the storages (``storages``) training changes; host tensors
+    host memory, its other leaves deep-copied. ``live``: where training's tensors keep their data; host tensors
     elsewhere are FSDP's own copies, which nothing changes, and are kept as they are (None: every one is copied).
-    ``staged``: the tensors of ``live`` storages are copied into its kept buffers, each storage once."""
+    ``staged``: the tensors in ``live`` storages are copied into its kept buffers, each storage once."""
     import torch
 
     if isinstance(obj, dict):
@@ -185,20 +216,16 @@ def host_copy(obj: Any, live: Optional[Set[int]] = None, staged: Optional[Stagin
     return copy.deepcopy(obj)
 
 
-def storages(tensors: Iterable[Any]) -> Set[int]:
-    """Where ``tensors`` keep their data, for ``host_copy``'s ``live``."""
-    return {tensor.untyped_storage().data_ptr() for tensor in tensors}
-
-
-def _host_tensor(tensor: Any, live: Optional[Set[int]], staged: Optional[Staging]) -> Any:
-    if tensor.device.type == "cpu" and live is not None and tensor.untyped_storage().data_ptr() not in live:
+def _host_tensor(tensor: Any, live: Optional[Live], staged: Optional[Staging]) -> Any:
+    base = None if live is None else live.holding(tensor)
+    if tensor.device.type == "cpu" and live is not None and base is None:
         return tensor
-    if staged is not None and live is not None:
-        return staged.copy(tensor.detach())
+    if staged is not None and base is not None:
+        return staged.copy(tensor.detach(), base)
     return tensor.detach().to("cpu", copy=True)
 
 
-def _sharded_host_copy(tensor: Any, live: Optional[Set[int]], staged: Optional[Staging]) -> Any:
+def _sharded_host_copy(tensor: Any, live: Optional[Live], staged: Optional[Staging]) -> Any:
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 

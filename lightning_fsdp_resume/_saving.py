@@ -131,7 +131,7 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
     path, partial = _destination(strategy, filepath, full=False)
     if background:
         staged = _background.staging(strategy)
-        stored, metadata = _background.host_copy(stored, _background.storages(live), staged), _background.host_copy(metadata)
+        stored, metadata = _background.host_copy(stored, _background.Live(live), staged), _background.host_copy(metadata)
         written = _started(lambda: _start_shards(partial, stored, _background.process_group(strategy)))
         _background.start(strategy, path, written.result, functools.partial(_publish_sharded, partial, path, metadata))
         return

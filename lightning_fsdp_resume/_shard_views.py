@@ -159,7 +159,7 @@ def _sharded(tensor: Any, shape: Tuple[int, ...], own: Sequence[Piece], rank: in
         for offsets, sizes in _shard_layout.boxes(shape, piece.start, piece.stop):
             numel = math.prod(sizes)
             metadata = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}{device}")
-            local.append(Shard(tensor[at : at + numel].view(sizes), metadata))
+            local.append(Shard(_exactly(tensor, at, sizes), metadata))
             layout.append(metadata)
             at += numel
     other, end, held = f"rank:{(rank + 1) % world}{device}", math.prod(shape), 0
@@ -170,3 +170,19 @@ def _sharded(tensor: Any, shape: Tuple[int, ...], own: Sequence[Piece], rank: in
                                   memory_format=torch.contiguous_format, pin_memory=False)
     metadata = ShardedTensorMetadata(shards_metadata=layout, size=torch.Size(shape), tensor_properties=properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata)
+
+
+def _exactly(tensor: Any, at: int, sizes: Sequence[int]) -> Any:
+    """Elements ``[at, at + numel)`` of the contiguous 1-D ``tensor``, shaped ``sizes``, over a slice of its storage
+    that holds exactly them: torch's writer copies a view of a larger storage before writing it (``torch.save``
+    would write the whole storage), and would copy the whole shard, item by item, at every save."""
+    import math
+
+    import torch
+
+    numel = math.prod(sizes)
+    if not tensor.is_contiguous():
+        return tensor[at : at + numel].view(sizes)
+    size, start = tensor.element_size(), tensor.storage_offset() + at
+    exact = tensor.untyped_storage()[start * size : (start + numel) * size]
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(exact).view(sizes)
