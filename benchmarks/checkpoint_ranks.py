@@ -80,16 +80,25 @@ class Measured:
 
 class SaveAfterFirstStep(L.Callback):
     """Saves once, measured until the checkpoint is in place; ``stall``: how long the save call itself blocked
-    training (with AsyncCheckpointIO it returns before the checkpoint is written)."""
+    training (with AsyncCheckpointIO it returns before the checkpoint is written). ``again``: then saves once more,
+    unmeasured but for ``stall_again``, the stall of a later save in a long run (the host buffers a save in the
+    background copies into are kept from the first)."""
 
-    def __init__(self, path: str, measured: Measured) -> None:
+    def __init__(self, path: str, measured: Measured, again: bool = False) -> None:
         self.path = path
         self.measured = measured
+        self.again = again
         self.stall = None
+        self.stall_again = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         trainer.strategy.barrier()  # both ranks start the clock together
         self.measured.run(self.save_and_wait, trainer)
+        if self.again:
+            first = self.stall
+            trainer.strategy.barrier()
+            self.save_and_wait(trainer)
+            self.stall, self.stall_again = first, self.stall
 
     def save_and_wait(self, trainer) -> None:
         start = time.perf_counter()
@@ -170,7 +179,7 @@ def main(argv=None) -> None:
     measured = Measured()
     callbacks = []
     if args.phase == "save":
-        callbacks.append(SaveAfterFirstStep(args.checkpoint, measured))
+        callbacks.append(SaveAfterFirstStep(args.checkpoint, measured, again=args.async_save))
     else:
         timed_load(strategy, measured)
     plugins = [L.plugins.AsyncCheckpointIO()] if args.async_save else []
@@ -196,6 +205,7 @@ def main(argv=None) -> None:
         "state_dict_type": args.state_dict_type,
         "seconds": measured.seconds,
         "stall": callbacks[0].stall if args.phase == "save" else None,
+        "stall_again": callbacks[0].stall_again if args.phase == "save" else None,
         "shard_bytes": shard_bytes(trainer.model, trainer.strategy.optimizers),
         "rss_start": measured.memory.start,
         "rss_peak": measured.memory.peak,

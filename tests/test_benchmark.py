@@ -71,7 +71,7 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
     assert verdicts["sharded resume time shim/native"] == "not measured"  # no native side given
     assert verdicts["import lightning_fsdp_resume imports neither torch nor Lightning"] == "yes"
     background = [row for row in targets if row["target"].startswith(("async save", "sharded save: each rank"))]
-    assert len(background) == 3 and all(row["met"] in ("yes", "**NO**") for row in background), background
+    assert len(background) == 4 and all(row["met"] in ("yes", "**NO**") for row in background), background
     if REMOTE:
         (rows,) = remote
         assert [(r["phase"], r["kind"]) for r in rows] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
@@ -88,7 +88,7 @@ def test_scaling_reports_each_size_a_fitted_line_and_a_plot(tmp_path):
                   env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""}, timeout=BENCHMARK_TIMEOUT_S)
     sizes, targets, fits = _tables(output)
     assert len(sizes) == 2 and float(sizes[0]["state GB"]) <= float(sizes[1]["state GB"]), sizes
-    series = ["shim save", "shim stall", "shim resume", "shim consolidate", "raw write", "raw read"]
+    series = ["shim save", "shim stall", "shim later stall", "shim resume", "shim consolidate", "raw write", "raw read"]
     for row in sizes:
         assert all(float(row[f"{name} s"]) >= 0 for name in series), row
     assert [row["series"] for row in fits] == series
