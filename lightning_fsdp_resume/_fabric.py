@@ -55,14 +55,12 @@ def save_checkpoint(
     stored: Dict[str, Any] = {}
     metadata: Dict[str, Any] = {}
     for key, obj in state.items():
-        if isinstance(obj, Module) and obj is module and not full:
-            converted, into = _saving.sharded_model_state(obj, offload), stored
-        elif isinstance(obj, Module):
+        if obj is module:
+            converted, into = _saving.model_state(obj, full=full, offload=offload), stored
+        elif isinstance(obj, Module):  # a module without FSDP units beside the FSDP one: its own state dict
             converted, into = compat.model_state_dict(obj, full=full, offload=offload), stored
-        elif isinstance(obj, Optimizer) and not full:
-            converted, into = _saving.sharded_optimizer_state(module, obj, offload), stored
         elif isinstance(obj, Optimizer):
-            converted, into = compat.optimizer_state_dict(module, obj, full=full, offload=offload), stored
+            converted, into = _saving.optimizer_state(module, obj, full=full, offload=offload), stored
         else:
             converted, into = (obj.state_dict() if _is_stateful(obj) else obj), metadata
         _keep(key, (filter or {}).get(key), converted, into)

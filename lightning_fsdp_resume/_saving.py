@@ -63,16 +63,17 @@ def in_background(strategy: Any, asked: bool) -> bool:
 FROM_SHARDS = True
 
 
-def sharded_model_state(module: Any, offload: bool) -> Dict[str, Any]:
-    """This rank's sharded model state dict, to save: views of its flat shards, or FSDP's (``_built``; ``offload``: its
-    shards moved to the host)."""
-    return _built(_shard_views.model_state, (module,), lambda: compat.model_state_dict(module, full=False, offload=offload))
+def model_state(module: Any, full: bool, offload: bool) -> Dict[str, Any]:
+    """This rank's model state dict, to save. Full: gathered on rank 0. Sharded: views of its flat shards, or FSDP's
+    (``_built``; ``offload``: its shards moved to the host)."""
+    build = functools.partial(compat.model_state_dict, module, full=full, offload=offload)
+    return build() if full else _built(_shard_views.model_state, (module,), build)
 
 
-def sharded_optimizer_state(module: Any, optimizer: Any, offload: bool) -> Dict[str, Any]:
-    """This rank's sharded optimizer state dict, keyed by parameter name, to save, as ``sharded_model_state``."""
-    return _built(_shard_views.optimizer_state, (module, optimizer),
-                  lambda: compat.optimizer_state_dict(module, optimizer, full=False, offload=offload))
+def optimizer_state(module: Any, optimizer: Any, full: bool, offload: bool) -> Dict[str, Any]:
+    """This rank's optimizer state dict, keyed by parameter name, to save, as ``model_state``."""
+    build = functools.partial(compat.optimizer_state_dict, module, optimizer, full=full, offload=offload)
+    return build() if full else _built(_shard_views.optimizer_state, (module, optimizer), build)
 
 
 def _built(from_shards: Callable[..., Dict[str, Any]], args: Tuple[Any, ...], fsdps: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
@@ -82,14 +83,12 @@ def _built(from_shards: Callable[..., Dict[str, Any]], args: Tuple[Any, ...], fs
     if not FROM_SHARDS or not compat.through_flat_shards():
         return fsdps()
     try:
-        state = _shard_views.agreed(from_shards, *args)
+        return _shard_views.agreed(from_shards, *args)
     except _shard_views.UnknownLayout as unknown:
         import logging
 
         logging.getLogger(__name__).debug("lightning_fsdp_resume: FSDP builds this sharded state dict: %s.", unknown)
         return fsdps()
-    assert state is not None
-    return state
 
 
 def training_tensors(module: Any, optimizers: Iterable[Any]) -> Iterator[Any]:

@@ -131,21 +131,32 @@ def layout(model: Any, optimizer: Any) -> Optional[Layout]:
 def parameter_shapes(model: Any) -> Optional[Dict[str, Tuple[int, ...]]]:
     """The model's state-dict entries and their full shapes, when every entry is a parameter sharded by
     FSDP (no buffers, no extra state, no tied or unsharded parameters); None otherwise."""
-    from torch import nn
-
     flats = flat_shards(model)
-    if flats is None or any(flat.shared for flat in flats):
+    if flats is None or not_only_flat_parameters(model, flats) is not None:
         return None
     for module in model.modules():
         buffers = {name for name, buffer in module._buffers.items() if buffer is not None}
         if buffers - set(module._non_persistent_buffers_set):
             return None
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            return None
+    return {name: shape for flat in flats for name, shape in zip(flat.names, flat.shapes)}
+
+
+def not_only_flat_parameters(model: Any, flats: List[FlatShard]) -> Optional[str]:
+    """Why ``model``'s state is not only the original parameters in ``flats``, buffers aside, or None: a tied weight,
+    a parameter outside FSDP's flat parameters, a module with extra state."""
+    from torch import nn
+
+    if any(flat.shared for flat in flats):
+        return "a parameter is shared by two modules (tied weights)"
     covered = {id(flat.param) for flat in flats} | {id(p) for flat in flats for p in flat.originals or ()}
     if any(id(param) not in covered for param in model.parameters()):
-        return None
-    return {name: shape for flat in flats for name, shape in zip(flat.names, flat.shapes)}
+        return "a parameter is outside FSDP's flat parameters"
+    for name, module in model.named_modules():
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            from ._format import clean_module_name
+
+            return f"module {clean_module_name(name)!r} has extra state"
+    return None
 
 
 def _known_flat_shards(model: Any) -> List[FlatShard]:
@@ -254,6 +265,15 @@ def boxes(shape: Sequence[int], start: int, stop: int) -> List[Box]:
     if whole_to < stop:
         found += within(whole_to // row, 0, stop - whole_to)
     return found
+
+
+def piece_boxes(shape: Sequence[int], piece: Piece) -> Iterator[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+    """``boxes`` of ``piece`` of a parameter of ``shape``, each with where its elements start in the rank's 1-D
+    tensor (``piece.at`` onwards)."""
+    at = piece.at
+    for offsets, sizes in boxes(shape, piece.start, piece.stop):
+        yield offsets, sizes, at
+        at += math.prod(sizes)
 
 
 class FullSource:
@@ -365,11 +385,8 @@ class ViewsReader:
 
     def add_piece(self, key: str, shape: Tuple[int, ...], tensor: Any, piece: Piece) -> None:
         """Read ``piece`` of the stored entry ``key`` (of ``shape``) into its place in the 1-D ``tensor``."""
-        at = piece.at
-        for offsets, sizes in boxes(shape, piece.start, piece.stop):
-            numel = math.prod(sizes)
-            self.add(key, offsets, tensor[at : at + numel].view(sizes))
-            at += numel
+        for offsets, sizes, at in piece_boxes(shape, piece):
+            self.add(key, offsets, tensor[at : at + math.prod(sizes)].view(sizes))
 
     def read(self, reader: Any) -> None:
         """Through torch DCP's storage ``reader`` (torch >= 2.2, where these loaders run: ``dcp.load``)."""

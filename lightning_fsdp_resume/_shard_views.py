@@ -12,7 +12,7 @@ it asks for, so a checkpoint means what FSDP's builder's means: the same entries
 FSDP's builder, on every rank (``agreed``). torch is imported inside the functions.
 """
 import copy
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from . import _shard_layout
 from ._ranks import everyone
@@ -23,10 +23,10 @@ class UnknownLayout(Exception):
     """This state is not one built here; the message says why (FSDP's own builder is used instead)."""
 
 
-def agreed(build: Any, *args: Any) -> Optional[Dict[str, Any]]:
-    """``build(*args)``'s state where every rank could build it, else None on every rank (a collective): a rank
-    that took FSDP's builder alone would wait in its gathers for ever. Raises ``UnknownLayout`` with the first
-    rank's reason where any had one."""
+def agreed(build: Any, *args: Any) -> Dict[str, Any]:
+    """``build(*args)``'s state where every rank could build it (a collective); where any rank could not, every rank
+    raises ``UnknownLayout`` with the first such rank's reason: a rank that took FSDP's builder alone would wait in
+    its gathers for ever."""
     try:
         state, reason = build(*args), None
     except UnknownLayout as unknown:
@@ -34,22 +34,19 @@ def agreed(build: Any, *args: Any) -> Optional[Dict[str, Any]]:
     reasons = [found for found in everyone(reason) if found is not None]
     if reasons:
         raise UnknownLayout(reasons[0])
+    assert state is not None  # built here, as no rank gave a reason
     return state
 
 
 def model_state(model: Any) -> Dict[str, Any]:
     """The sharded model state dict FSDP would build for ``model`` (names without FSDP's segments), each
     parameter a ``ShardedTensor`` of views of this rank's flat shards, each persistent buffer as it is."""
-    from torch import nn
-
     from ._format import clean_module_name
 
     flats = _known(model)
-    if any(flat.shared for flat in flats):
-        raise UnknownLayout("a parameter is shared by two modules (tied weights)")
-    covered = {id(flat.param) for flat in flats} | {id(p) for flat in flats for p in flat.originals or ()}
-    if any(id(param) not in covered for param in model.parameters()):
-        raise UnknownLayout("a parameter is outside FSDP's flat parameters")
+    reason = _shard_layout.not_only_flat_parameters(model, flats)
+    if reason is not None:
+        raise UnknownLayout(reason)
     params: Dict[str, Dict[str, Any]] = {}  # by the module that owns them, in registration order within it
     for flat in flats:
         shard = flat.param._local_shard.detach()  # the shard even where the unit holds a gathered copy
@@ -62,8 +59,6 @@ def model_state(model: Any) -> Dict[str, Any]:
     casts = _casts_buffers(model)
     for module_name, module in model.named_modules():
         module_name = clean_module_name(module_name)
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            raise UnknownLayout(f"module {module_name!r} has extra state")
         if casts and set(module._buffers) - set(module._non_persistent_buffers_set):
             raise UnknownLayout("FSDP's mixed precision casts buffers, which its state dict casts back")
         state.update(params.pop(module_name, {}))
@@ -155,13 +150,10 @@ def _sharded(tensor: Any, shape: Tuple[int, ...], own: Sequence[Piece], rank: in
     device = f"/{tensor.device}"
     local, layout = [], []
     for piece in own:
-        at = piece.at
-        for offsets, sizes in _shard_layout.boxes(shape, piece.start, piece.stop):
-            numel = math.prod(sizes)
+        for offsets, sizes, at in _shard_layout.piece_boxes(shape, piece):
             metadata = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}{device}")
             local.append(Shard(_exactly(tensor, at, sizes), metadata))
             layout.append(metadata)
-            at += numel
     other, end, held = f"rank:{(rank + 1) % world}{device}", math.prod(shape), 0
     for start, stop in [(piece.start, piece.stop) for piece in sorted(own, key=lambda piece: piece.start)] + [(end, end)]:
         layout += [ShardMetadata(list(offsets), list(sizes), other) for offsets, sizes in _shard_layout.boxes(shape, held, start)]

@@ -91,11 +91,7 @@ def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
 
 
 def lightning_module_state_dict(self: Any) -> Dict[str, Any]:
-    full, offload = _saving.is_full(self), _saving.offload(self.model)
-    if full:
-        state = compat.model_state_dict(self.model, full=True, offload=offload)
-    else:
-        state = _saving.sharded_model_state(self.model, offload)
+    state = _saving.model_state(self.model, full=_saving.is_full(self), offload=_saving.offload(self.model))
     return _format.strip_prefix(state, _prefix(self))
 
 
@@ -105,11 +101,7 @@ def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
     if not compat.supports_sharded_checkpoints():
         _ranks.warn_rank_zero(self, "FSDP in Lightning with PyTorch < 2.0 does not support saving the optimizer state.")
         return {}
-    offload = _saving.offload(self.model)
-    if full:
-        state = compat.optimizer_state_dict(self.model, optimizer, full=True, offload=offload)
-    else:
-        state = _saving.sharded_optimizer_state(self.model, optimizer, offload)
+    state = _saving.optimizer_state(self.model, optimizer, full=full, offload=_saving.offload(self.model))
     state = _format.strip_optimizer_prefix(state, _prefix(self))
     if not full:
         return state
