@@ -20,8 +20,14 @@ KEY = "rank_states"  # the checkpoint entry (the Trainer's; Fabric: wherever the
 
 
 def capture(module: Any) -> Dict[str, Any]:
-    """This rank's RNG states (torch's CPU and, where initialised, CUDA generators, Python's ``random``, NumPy's
-    where imported) and its buffers by their clean names, copied to the CPU."""
+    """This rank's RNG states (``rng_state``) and its buffers by their clean names, copied to the CPU."""
+    buffers = {} if module is None else {name: value.detach().cpu().clone() for name, value in _buffers(module).items()}
+    return {"rng": rng_state(), "buffers": buffers}
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's random number generators' states: torch's CPU and, where initialised, CUDA generators,
+    Python's ``random``, NumPy's where imported."""
     import torch
 
     rng: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -32,8 +38,21 @@ def capture(module: Any) -> Dict[str, Any]:
         # its key array as a tensor: a checkpoint read with weights_only=True (torch >= 2.6's default) takes no arrays
         kind, keys, *rest = numpy.random.get_state()
         rng["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), *rest)
-    buffers = {} if module is None else {name: value.detach().cpu().clone() for name, value in _buffers(module).items()}
-    return {"rng": rng, "buffers": buffers}
+    return rng
+
+
+def set_rng_state(rng: Dict[str, Any]) -> None:
+    """Put back the states ``rng_state`` returned."""
+    import torch
+
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in rng and numpy is not None:
+        kind, keys, *rest = rng["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
 
 
 def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
@@ -48,7 +67,7 @@ def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
     except Exception as raised:  # every rank hears of it, rather than wait in the gather below
         error = raised
     agree(error)
-    rank, world_size = _rank_and_world_size()
+    rank, world_size = rank_and_world_size()
     if world_size == 1:
         return [mine]
     import torch.distributed as dist
@@ -79,7 +98,7 @@ def restore_buffers(states: Any, module: Any, where: str = "The checkpoint") -> 
     """This rank's buffers from ``states``; False, after a one-line warning on rank 0, on another world size."""
     import torch
 
-    rank, world_size = _rank_and_world_size()
+    rank, world_size = rank_and_world_size()
     if not isinstance(states, list) or len(states) != world_size:
         if rank == 0:
             import warnings
@@ -102,20 +121,10 @@ def restore_buffers(states: Any, module: Any, where: str = "The checkpoint") -> 
 
 def restore_rng(states: List[Dict[str, Any]]) -> None:
     """This rank's random number generator states from ``states``, whose world size ``restore_buffers`` checked."""
-    import torch
-
-    rng = states[_rank_and_world_size()[0]]["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    numpy = sys.modules.get("numpy")
-    if "numpy" in rng and numpy is not None:
-        kind, keys, *rest = rng["numpy"]
-        numpy.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
+    set_rng_state(states[rank_and_world_size()[0]]["rng"])
 
 
-def _rank_and_world_size():
+def rank_and_world_size():
     if not compat.distributed():
         return 0, 1  # one process without a process group: a notebook, a unit test
     import torch.distributed as dist
