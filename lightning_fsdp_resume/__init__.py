@@ -16,7 +16,7 @@ from ._patcher import NotOutermostError, Patcher
 from ._patches import PatchTable, tables_for
 from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
 
-__all__ = ["patch", "unpatch", "status", "wait_for_saves", "FlavourStatus", "DISABLE_ENV", "RankStates", "BackgroundSaveError",
+__all__ = ["patch", "unpatch", "status", "wait_for_saves", "set_mid_epoch_resume", "FlavourStatus", "DISABLE_ENV", "RankStates", "BackgroundSaveError",
            "add_safe_globals", "UnsafeCheckpointError"]
 __version__ = "0.1.0"
 
@@ -130,6 +130,20 @@ def wait_for_saves(obj) -> None:
     from ._background import wait
 
     wait(getattr(obj, "strategy", obj))
+
+
+def set_mid_epoch_resume(mode: str) -> None:
+    """How a Trainer run resumed inside an epoch finds its place in the data (Lightning 2.0.x; every strategy).
+
+    ``"skip"`` (the default): leave out the batches already trained on by their indices, loading none of them, where
+    the train dataloader is one torch ``DataLoader`` over a map-style dataset; a loader with ``state_dict`` /
+    ``load_state_dict`` is restored from its saved state; anything else is ``"replay"``'d, with a log line.
+    ``"replay"``: load the trained batches again and drop them (exact where workers draw random numbers too).
+    ``"lightning"``: Lightning 2.0.x's own resume (one step more, the epoch's data from its first batch).
+    """
+    from ._data_position import set_mode
+
+    set_mode(mode)
 
 
 def __getattr__(name: str):

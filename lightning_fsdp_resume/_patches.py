@@ -183,3 +183,20 @@ def MODEL_CHECKPOINT_PATCHES() -> Rows:
 
     # ckpt_path="last" finds the last checkpoint of a dirpath at a URL
     return {"_find_last_checkpoints": Wrap(_model_checkpoint.wrap_find_last_checkpoints)}
+
+
+# A resume inside an epoch goes on from the batch after the checkpoint's, with any strategy (the loop is shared)
+@patches(TRAINER, "loops.training_epoch_loop", "_TrainingEpochLoop")
+def EPOCH_LOOP_PATCHES() -> Rows:
+    from . import _epoch_loop
+
+    return {
+        # every rank's data position saved beside the loop's counters, and read back
+        "on_save_checkpoint": Wrap(_epoch_loop.wrap_on_save_checkpoint),
+        "on_load_checkpoint": Wrap(_epoch_loop.wrap_on_load_checkpoint),
+        # the batch the checkpoint was taken after is done: not trained again, its end (validation) run
+        "reset": Wrap(_epoch_loop.wrap_reset),
+        "advance": Wrap(_epoch_loop.wrap_advance),
+        # the epoch's data iterator made from the epoch's random states, going on after the checkpoint's batch
+        "on_run_start": Wrap(_epoch_loop.wrap_on_run_start),
+    }

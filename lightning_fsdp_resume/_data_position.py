@@ -1,0 +1,208 @@
+"""Where a run is in its training data, per rank, and putting a resumed epoch's data back there: the random states
+its iterator was made from, the batches already trained on left out (by index, by state, or loaded and dropped).
+What each way costs and when it is exact: docs/behaviour.md#resuming-inside-an-epoch.
+"""
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+from . import _rank_states
+
+log = logging.getLogger(__name__)
+
+SKIP, REPLAY, LIGHTNING = "skip", "replay", "lightning"
+MODES = (SKIP, REPLAY, LIGHTNING)
+_mode = SKIP
+
+# The attributes of a DataLoader where torch keeps the generators its iterator and its sampler draw from
+_GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.generator", "batch_sampler.sampler.generator")
+
+
+def set_mode(mode: str) -> None:
+    """``skip``, ``replay`` or ``lightning``: see ``lightning_fsdp_resume.set_mid_epoch_resume``."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"set_mid_epoch_resume({mode!r}): the mode is one of {', '.join(map(repr, MODES))}.")
+    _mode = mode
+
+
+def mode() -> str:
+    return _mode
+
+
+def generators(loader: Any) -> Dict[str, Any]:
+    """The ``torch.Generator`` objects a loader and its samplers draw from, by their attribute path."""
+    import torch
+
+    found = {}
+    for path in _GENERATOR_PATHS:
+        value = loader
+        for name in path.split("."):
+            value = getattr(value, name, None)
+        if isinstance(value, torch.Generator):
+            found[path] = value
+    return found
+
+
+def epoch_start(loaders: Sequence[Any]) -> Dict[str, Any]:
+    """This rank's random states as an epoch's data iterator is about to be made: what the samplers and the loaders'
+    workers draw from."""
+    return {"rng": _rank_states.rng_state(), "generators": _generator_states(loaders)}
+
+
+def position(epoch: int, batches: int, start: Optional[Dict[str, Any]], loaders: Sequence[Any]) -> Dict[str, Any]:
+    """This rank's place in the data: ``batches`` of epoch ``epoch`` trained on, the states its iterator was made
+    from (``start``), its generators' states now, and each loader's own ``state_dict()`` where it has one."""
+    return {
+        "epoch": epoch,
+        "batches": batches,
+        "start": start,
+        "generators": _generator_states(loaders),
+        "loaders": [loader.state_dict() if stateful(loader) else None for loader in loaders],
+    }
+
+
+def stateful(loader: Any) -> bool:
+    """A loader that says where it is (torchdata's ``StatefulDataLoader``, Lightning >= 2.3's convention)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def restore_generators(loaders: Sequence[Any], states: Sequence[Dict[str, Any]]) -> None:
+    for loader, saved in zip(loaders, states):
+        for path, generator in generators(loader).items():
+            if path in saved:
+                generator.set_state(saved[path])
+
+
+def reposition(loaders: Sequence[Any], saved: Dict[str, Any], create: Callable[[], None], fetch: Callable[[], Any]) -> str:
+    """Make the epoch's data iterator (``create``) so that it yields the batch after the ``saved`` position's last,
+    exactly as the uninterrupted run's did; ``fetch`` draws one batch through it. The random states are the saved
+    start's while the iterator is made and the trained batches are left out, and as they were before afterwards (the
+    rank's saved ones, restored by the strategy). Returns how they were left out: ``state``, ``indices`` or
+    ``batches``."""
+    count = saved["batches"]
+    how = _how(loaders, saved)
+    before = _rank_states.rng_state()
+    _rank_states.set_rng_state(saved["start"]["rng"])
+    restore_generators(loaders, saved["start"]["generators"])
+    began = time.perf_counter()
+    try:
+        if how == "state":
+            for loader, state in zip(loaders, saved["loaders"]):
+                loader.load_state_dict(state)
+            create()
+        elif how == "indices":
+            with _skipping_indices(loaders[0], count) as skip:
+                create()
+            skip()
+        else:
+            create()
+            for done in range(count):
+                try:
+                    fetch()
+                except StopIteration:
+                    raise ValueError(
+                        f"The checkpoint was taken after batch {count} of epoch {saved['epoch']}, but the training data"
+                        f" has {done} batches in that epoch now. Resume with the data the run was trained on."
+                    ) from None
+    finally:
+        _rank_states.set_rng_state(before)
+        # a stateful loader may draw its order when first asked (Lightning's sampler wrapper over torchdata's
+        # RandomSampler): its generators go on from the epoch's start as they did, or as its own state sets them
+        if how != "state":
+            restore_generators(loaders, saved["generators"])
+    seconds = time.perf_counter() - began
+    if how == "batches":
+        log.warning("Resumed inside epoch %d: loaded and dropped the %d batches already trained on, in %.2f s (%s).",
+                    saved["epoch"], count, seconds, _why_replayed(loaders))
+    else:
+        log.info("Resumed inside epoch %d after batch %d: %s in %.3f s.", saved["epoch"], count,
+                 "restored the loaders' states" if how == "state" else "left out the trained batches' indices", seconds)
+    return how
+
+
+def _how(loaders: Sequence[Any], saved: Dict[str, Any]) -> str:
+    """By index where that is exact, else from the loaders' own states where every one has one, else by loading."""
+    if _mode == SKIP and len(loaders) == 1 and _index_sampled(loaders[0]):
+        return "indices"
+    if loaders and all(stateful(loader) for loader in loaders) and all(s is not None for s in saved["loaders"]):
+        return "state"
+    return "batches"
+
+
+def _why_replayed(loaders: Sequence[Any]) -> str:
+    if _mode == REPLAY:
+        return "set_mid_epoch_resume('replay')"
+    if len(loaders) != 1:
+        return f"{len(loaders)} train dataloaders"
+    return f"a {type(loaders[0]).__name__} over {type(getattr(loaders[0], 'dataset', None)).__name__}, whose batches have no index"
+
+
+def _index_sampled(loader: Any) -> bool:
+    """A torch ``DataLoader`` over a map-style dataset: its batches are lists of indices drawn by a sampler."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+
+
+@contextlib.contextmanager
+def _skipping_indices(loader: Any, count: int) -> Iterator[Callable[[], None]]:
+    """Within: every iterator made of the loader's index sampler (its batch sampler, else its sampler) leaves out its
+    first ``count`` items, drawn when the first is asked for (a loader with workers asks as its iterator is made).
+    Gives ``skip``, which leaves them out of the last one made at once: where the uninterrupted run drew its first
+    index, right after its iterator was made. Iterators made afterwards (persistent workers' next epoch) are plain."""
+    attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    original = getattr(loader, attribute)
+    skipping = _SkipFirst(original, count)
+    object.__setattr__(loader, attribute, skipping)  # DataLoader refuses to set it once made
+    try:
+        yield skipping.skip
+    finally:
+        object.__setattr__(loader, attribute, original)
+        skipping.count = 0
+
+
+class _SkipFirst:
+    """An index sampler whose iterators leave out the sampler's first ``count`` items (none once ``count`` is 0)."""
+
+    def __init__(self, sampler: Any, count: int) -> None:
+        self.sampler = sampler
+        self.count = count
+        self.last: Optional[_Skipping] = None
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.count:
+            return iter(self.sampler)
+        self.last = _Skipping(iter(self.sampler), self.count)
+        return self.last
+
+    def skip(self) -> None:
+        if self.last is None:
+            raise RuntimeError("The train dataloader's iterator was not made where the epoch starts: its trained batches"
+                               " could not be left out. Call lightning_fsdp_resume.set_mid_epoch_resume('replay').")
+        self.last.skip()
+
+
+class _Skipping:
+    def __init__(self, iterator: Iterator[Any], count: int) -> None:
+        self.iterator, self.left = iterator, count
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        self.skip()
+        return next(self.iterator)
+
+    def skip(self) -> None:
+        while self.left:
+            self.left -= 1
+            next(self.iterator, None)
+
+
+def _generator_states(loaders: Sequence[Any]) -> List[Dict[str, Any]]:
+    return [{path: generator.get_state() for path, generator in generators(loader).items()} for loader in loaders]
