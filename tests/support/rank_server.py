@@ -8,7 +8,7 @@ variables, meeting over gloo on the loopback interface. As under torchrun, the f
 the others down with it. The output names the exit code of each rank that ended by itself (``-9`` for
 SIGKILL) and says which ones the server stopped.
 
-It serves both rank programs, the Trainer's (``trainer_worker``) and Fabric's (``fabric_worker``), each
+It serves the rank programs, the Trainer's (``trainer_worker``, ``mid_epoch_worker``) and Fabric's (``fabric_worker``), each
 imported once at start. ``ranks.py`` talks to it in JSON lines: a request ``{"worker", "args", "nproc",
 "logs", "timeout"}`` on stdin, a reply ``{"codes", "output"}`` on stdout.
 ``LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun`` makes the tests launch with torchrun instead.
@@ -152,9 +152,10 @@ def _import_what_enable_cpu_fsdp_patches() -> None:
 def main() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the imports print goes to stderr, not into the replies
-    from support import fabric_worker, trainer_worker  # torch, the Lightning flavour and Fabric under test, and the shim
+    # torch, the Lightning flavour and Fabric under test, and the shim
+    from support import fabric_worker, mid_epoch_worker, trainer_worker
 
-    workers = {worker.__name__.rpartition(".")[2]: worker for worker in (trainer_worker, fabric_worker)}
+    workers = {worker.__name__.rpartition(".")[2]: worker for worker in (trainer_worker, fabric_worker, mid_epoch_worker)}
     _import_what_enable_cpu_fsdp_patches()
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()

@@ -16,6 +16,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parents[1]  # the repository, first on the launched processes' PYTHONPATH
 WORKER = HERE / "trainer_worker.py"  # the Trainer's rank program
 FABRIC_WORKER = HERE / "fabric_worker.py"  # Fabric's
+MID_EPOCH_WORKER = HERE / "mid_epoch_worker.py"  # the Trainer's, checkpointing and resuming inside epochs
 TIMEOUT_S = 300
 # Reference runs train EPOCHS epochs and checkpoint each; resumed runs start from MID (after epoch 1).
 EPOCHS = 3
@@ -119,6 +120,13 @@ def worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = Fa
 def fabric_worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bool = False, by_torchrun: bool = False) -> str:
     """The Fabric worker on ``nproc`` ranks, launched as ``worker`` launches the Trainer's."""
     return _launch(FABRIC_WORKER, args, nproc, env, expect_failure, by_torchrun)
+
+
+def mid_epoch_worker(*args, nproc: int = 2, expect_failure: bool = False) -> str:
+    """The mid-epoch rank program on ``nproc`` ranks (``nproc=0``: one plain process without FSDP)."""
+    if nproc == 0:
+        args = ("--strategy", "single", *args)
+    return _launch(MID_EPOCH_WORKER, args, nproc, None, expect_failure, by_torchrun=False)
 
 
 def nodes(tmp: Path, *args, count: int = 2, env=None) -> str:

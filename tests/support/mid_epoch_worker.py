@@ -1,0 +1,188 @@
+"""One Trainer run that checkpoints inside epochs (``ModelCheckpoint(every_n_train_steps=K)``), or resumes from such a
+checkpoint, launched as the Trainer's rank program is (``trainer_worker``).
+
+Every rank writes, into --out, what the tests compare with the uninterrupted run: each training step's global step,
+epoch, batch index and the indices of the samples it trained on (``trained_rank{r}.json``), each validation's step
+(``validated_rank{r}.json``), and its shards and optimizer state at the end (``final``). It checks nothing itself.
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import lightning_fsdp_resume
+from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from support import models, states  # noqa: E402
+from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
+
+L = TRAINER_UNDER_TEST.module()
+ModelCheckpoint = TRAINER_UNDER_TEST.module("callbacks").ModelCheckpoint
+FSDPStrategy = TRAINER_UNDER_TEST.module("strategies").FSDPStrategy
+SAMPLES = 48  # 6 batches of 4 per rank and epoch on 2 ranks, 12 on one
+
+
+class Samples(torch.utils.data.Dataset):
+    """Sample i is (x_i, y_i, i); ``augment``: x plus noise drawn from the process's random number generator (the
+    main process's, or a worker's)."""
+
+    def __init__(self, augment: bool = False) -> None:
+        generator = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(SAMPLES, 8, generator=generator)
+        self.y = torch.randn(SAMPLES, 2, generator=generator)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i):
+        x = self.x[i] + 0.1 * torch.randn(8) if self.augment else self.x[i]
+        return x, self.y[i], i
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The same samples as a stream: each rank its share, in an order drawn from the global generator as it starts."""
+
+    def __init__(self, augment: bool = False) -> None:
+        self.samples = Samples(augment)
+
+    def __iter__(self):
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
+            if torch.distributed.is_initialized() else (0, 1)
+        for i in torch.randperm(SAMPLES)[rank::world].tolist():
+            yield self.samples[i]
+
+
+def loader(kind: str, workers: int, augment: bool):
+    kwargs = {"batch_size": 4, "num_workers": workers}
+    if kind == "iterable":
+        return torch.utils.data.DataLoader(Stream(augment), **kwargs)
+    dataset = Samples(augment)
+    if kind == "sequential":
+        return torch.utils.data.DataLoader(dataset, **kwargs)
+    if kind == "shuffle":
+        return torch.utils.data.DataLoader(dataset, shuffle=True, **kwargs)
+    if kind == "generator":  # a RandomSampler with its own generator (kept where Lightning injects no sampler)
+        sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(7))
+        return torch.utils.data.DataLoader(dataset, sampler=sampler, **kwargs)
+    if kind == "stateful":  # a loader that says where it is: torchdata's
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(dataset, shuffle=True, **kwargs)
+    if kind == "batch-sampler":  # the user's own batch sampler, drop_last
+        sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(7))
+        batches = torch.utils.data.BatchSampler(sampler, batch_size=5, drop_last=True)
+        return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers)
+    raise ValueError(kind)
+
+
+class Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = models.body("dropout")
+        self.head = nn.Linear(16, 2)
+        self.trained, self.validated = [], []
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.trained.append([self.global_step, self.current_epoch, batch_idx, index.tolist()])
+        return nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def on_validation_epoch_end(self):
+        if self.trainer.state.fn == "fit":
+            self.validated.append([self.global_step, self.current_epoch])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    parser.add_argument("--strategy", choices=["fsdp", "single"], default="fsdp")
+    parser.add_argument("--state-dict-type", default="sharded")
+    parser.add_argument("--wrap", choices=["policy", "root"], default="policy")
+    parser.add_argument("--use-orig-params", type=int, default=0)
+    parser.add_argument("--data", default="shuffle", help="sequential, shuffle, generator, batch-sampler, iterable, stateful")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--augment", action="store_true", help="each sample drawn with noise from the RNG")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--every", type=int, default=4, help="ModelCheckpoint(every_n_train_steps=...)")
+    parser.add_argument("--val-every", type=int, default=0, help="val_check_interval in batches (0: no validation)")
+    parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--mode", default=None, help="lightning_fsdp_resume.set_mid_epoch_resume(MODE)")
+    parser.add_argument("--save-at-batch", type=int, default=None, help="also save mid-epoch.ckpt after this batch of epoch 0")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    if args.mode:
+        lightning_fsdp_resume.set_mid_epoch_resume(args.mode)
+    logging.basicConfig()
+    logging.getLogger("lightning_fsdp_resume").setLevel(logging.INFO)  # the resume's line, for the tests to read
+
+    L.seed_everything(0)
+    if args.strategy == "fsdp":
+        enable_cpu_fsdp()
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        wrapping = {"auto_wrap_policy": ModuleWrapPolicy({nn.Sequential})} if args.wrap == "policy" else {}
+        strategy = FSDPStrategy(state_dict_type=args.state_dict_type, use_orig_params=bool(args.use_orig_params), **wrapping)
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    else:
+        strategy, devices = "auto", 1
+    callbacks = [ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{step}", every_n_train_steps=args.every,
+                                 save_top_k=-1)]
+    if args.save_at_batch is not None:
+        callbacks.append(SaveAt(args.ckpt_dir / "mid-epoch.ckpt", args.save_at_batch))
+    validation = {"val_check_interval": args.val_every, "limit_val_batches": 2} if args.val_every else {"limit_val_batches": 0}
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.max_epochs,
+                        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, deterministic=True, accumulate_grad_batches=args.accumulate, **validation)
+    model = Net()
+    data = loader(args.data, args.workers, args.augment)
+    val = {"val_dataloaders": loader("sequential", 0, False)} if args.val_every else {}
+    try:
+        trainer.fit(model, train_dataloaders=data, ckpt_path=args.ckpt_path, **val)
+    except Exception:
+        import traceback
+
+        (args.out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    (args.out / f"trained_rank{rank}.json").write_text(json.dumps(model.trained))
+    (args.out / f"validated_rank{rank}.json").write_text(json.dumps(model.validated))
+    optimizers = trainer.strategy.optimizers
+    states.write(args.out, "final", rank, states.local_state(trainer.model, optimizers),
+                 {"global_step": trainer.global_step, "epoch": trainer.current_epoch})
+    leave_process_group()
+
+
+class SaveAt(L.Callback):
+    """Saves ``path`` after batch ``batch`` of epoch 0 (a save ``ModelCheckpoint``'s step counting would not make)."""
+
+    def __init__(self, path: Path, batch: int) -> None:
+        self.path, self.batch = path, batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx + 1 == self.batch:
+            trainer.save_checkpoint(self.path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""A Trainer run checkpointed inside an epoch (``ModelCheckpoint(every_n_train_steps=4)``) and resumed in new processes
+goes on as if it had never stopped: the same steps, each rank training on the same samples in the same order, the
+same validations, and every rank's shards and optimizer state at the end equal bit for bit.
+
+Runs: 48 samples in batches of 4, so 6 batches an epoch on each of 2 ranks (12 in one process), 3 epochs, a dropout
+layer (each rank's random numbers); checkpoints after steps 4, 8, 12, ... Step 4 is inside epoch 0, step 16 inside
+epoch 2 (FSDP) or epoch 1 (one process).
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+from support.flavours import NATIVE, VERSION
+from support.marks import needs_cpu_fsdp, skip_as
+from support.ranks import mid_epoch_worker
+from support.states import assert_ranks_identical, info
+
+pytestmark = pytest.mark.multirank
+
+
+def _run(root: Path, *args, ckpt: str = None, nproc: int = 2) -> Path:
+    resume = ("--ckpt-path", root.parent / "ref" / "ckpt" / ckpt) if ckpt else ()
+    mid_epoch_worker("--out", root / "out", "--ckpt-dir", root / "ckpt", *args, *resume, nproc=nproc)
+    return root / "out"
+
+
+def _records(out: Path, name: str, rank: int) -> list:
+    return json.loads((out / f"{name}_rank{rank}.json").read_text())
+
+
+def _resumes_exactly(tmp_path: Path, args, at_steps, nproc: int = 2, weights: bool = True) -> str:
+    """The uninterrupted run, then one resumed from each step of ``at_steps``: from that step on, every rank trains
+    the same samples at the same steps and batch indices, validates at the same steps, and ends with the same shards
+    and optimizer state. Returns the resumed runs' output."""
+    ref = _run(tmp_path / "ref", *args, nproc=nproc)
+    output = ""
+    for step in at_steps:
+        resumed = tmp_path / f"from{step}" / "out"
+        output += mid_epoch_worker("--out", resumed, "--ckpt-dir", resumed.parent / "ckpt", *args, "--ckpt-path",
+                                   tmp_path / "ref" / "ckpt" / f"step={step}.ckpt", nproc=nproc)
+        for rank in range(max(nproc, 1)):
+            expected = [record for record in _records(ref, "trained", rank) if record[0] >= step]
+            assert _records(resumed, "trained", rank) == expected, f"rank {rank}, resumed from step {step}"
+            validated = [record for record in _records(ref, "validated", rank) if record[0] > step]
+            assert [r for r in _records(resumed, "validated", rank) if r[0] > step] == validated
+            assert _records(resumed, "validated", rank)[:1] == [r for r in _records(ref, "validated", rank) if r[0] >= step][:1]
+        assert info(resumed, "final")["global_step"] == info(ref, "final")["global_step"]
+        if weights:
+            assert_ranks_identical(ref, "final", resumed, "final")
+    return output
+
+
+native_fails = pytest.mark.xfail(
+    NATIVE, strict=True, raises=AssertionError,
+    reason=f"native Lightning {VERSION} feeds the epoch's first batches again after a resume inside it (2.1: one step more)",
+)
+
+
+@needs_cpu_fsdp
+@pytest.mark.parametrize("state_dict_type, wrap", [
+    pytest.param("sharded", "policy", marks=native_fails),
+    pytest.param("full", "root", marks=pytest.mark.skipif(
+        NATIVE, reason=f"native Lightning {VERSION} cannot save a full checkpoint with use_orig_params=False")),
+])
+def test_a_run_resumed_inside_an_epoch_trains_what_the_uninterrupted_run_did(tmp_path, state_dict_type, wrap):
+    """Lightning's DistributedSampler shuffling by epoch, samples drawn with noise from the global generator in the
+    main process, and a validation every 2 batches: one of them due right after the checkpoint's batch."""
+    args = ["--state-dict-type", state_dict_type, "--wrap", wrap, "--data", "shuffle", "--augment", "--val-every", "2"]
+    _resumes_exactly(tmp_path, args, at_steps=[4, 16])
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's fallback and its log line: native Lightning is not patched")
+@needs_cpu_fsdp
+def test_a_stream_without_state_is_replayed_to_where_it_stopped_with_a_log_line(tmp_path):
+    """An IterableDataset read by 2 workers (each rank's share in an order drawn as it starts, noise drawn per sample,
+    in the workers): the batches already trained on are loaded again and dropped, which says so. Step 12 ends epoch 1
+    on its last batch."""
+    args = ["--data", "iterable", "--workers", "2", "--augment", "--wrap", "root", "--use-orig-params", "1"]
+    output = _resumes_exactly(tmp_path, args, at_steps=[4, 12])
+    assert "Resumed inside epoch 0: loaded and dropped the 4 batches already trained on" in output
+    assert "over _IterableDataset" not in output and "over Stream, whose batches have no index" in output
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's modes: native Lightning is not patched")
+@needs_cpu_fsdp
+@pytest.mark.parametrize("augment, mode", [(False, "skip"), (True, "replay")])
+def test_workers_resume_exactly_by_index_or_by_replay_where_they_draw_random_numbers(tmp_path, augment, mode):
+    """``num_workers=2``: their seeds come from the epoch's start, so leaving out indices is exact where loading a
+    sample draws nothing; where the workers draw noise, ``set_mid_epoch_resume("replay")`` loads the batches again
+    through them and is exact too."""
+    args = ["--data", "shuffle", "--workers", "2", "--mode", mode] + (["--augment"] if augment else [])
+    _resumes_exactly(tmp_path, args, at_steps=[4])
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's refusal: native Lightning is not patched")
+@needs_cpu_fsdp
+def test_gradient_accumulation_resumes_at_its_steps_and_refuses_between_them(tmp_path):
+    """``accumulate_grad_batches=2``: a checkpoint at an optimizer step resumes exactly; one taken between two steps
+    (after batch 3) is refused, naming the setting, for its accumulated gradients are in no checkpoint."""
+    args = ["--accumulate", "2", "--every", "2", "--save-at-batch", "3", "--state-dict-type", "full"]
+    _resumes_exactly(tmp_path, args, at_steps=[2])
+    mid_epoch_worker("--out", tmp_path / "mid" / "out", "--ckpt-dir", tmp_path / "mid" / "ckpt", *args,
+                     "--ckpt-path", tmp_path / "ref" / "ckpt" / "mid-epoch.ckpt", expect_failure=True)
+    error = (tmp_path / "mid" / "out" / "error_rank0.txt").read_text()
+    assert "ValueError: The checkpoint was taken after batch 3 of epoch 0, between two optimizer steps of" \
+           " `Trainer(accumulate_grad_batches=2)`" in error
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's resume of a StatefulDataLoader: native Lightning is not patched")
+@pytest.mark.parametrize("nproc, mode", [(2, "skip"), (0, "replay")])
+def test_a_loader_that_says_where_it_is_resumes_exactly(tmp_path, nproc, mode):
+    """torchdata's ``StatefulDataLoader``: on 2 ranks (Lightning's DistributedSampler) its trained batches are left out
+    by index; in one process with ``replay``, it is restored from the state it saved."""
+    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is installed where its tests run")
+    if nproc:
+        skip_as(needs_cpu_fsdp)
+    output = _resumes_exactly(tmp_path, ["--data", "stateful", "--mode", mode], at_steps=[4], nproc=nproc,
+                              weights=bool(nproc))
+    assert ("restored the loaders' states" in output) == (mode == "replay")
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim patches Lightning 2.0.x's loop, which native Lightning does not use")
+@pytest.mark.parametrize("data", ["generator", "batch-sampler"])
+def test_one_process_without_fsdp_resumes_its_loop_and_data_exactly(tmp_path, data):
+    """The loop is every strategy's: a RandomSampler with its own generator in epoch 1, and the user's batch sampler
+    with drop_last (9 batches of 5). Lightning 2.0.x saves no random states for one device, so the dropout masks
+    after the resume differ, as after a resume at an epoch's end: the data and the steps are compared."""
+    _resumes_exactly(tmp_path, ["--data", data, "--val-every", "3"], at_steps=[16], nproc=0, weights=False)
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's modes: native Lightning is not patched")
+def test_lightnings_own_resume_on_request_and_a_checkpoint_without_a_position_warns(tmp_path):
+    """``set_mid_epoch_resume("lightning")``: Lightning 2.0.x's own resume, one step more and the epoch's data from
+    its start. A checkpoint saved that way has no data position: resumed by the shim, the step count is right, the
+    data starts again, and a warning says so."""
+    args = ["--data", "sequential", "--max-epochs", "1", "--mode", "lightning"]
+    ref = _run(tmp_path / "ref", *args, nproc=0)
+    stock = _run(tmp_path / "stock", *args, ckpt="step=4.ckpt", nproc=0)
+    trained = _records(ref, "trained", 0)
+    assert [r[2:] for r in _records(stock, "trained", 0)] == [[i + 3, r[3]] for i, r in enumerate(trained[:9])]
+    assert info(stock, "final")["global_step"] == 13
+    output = mid_epoch_worker("--out", tmp_path / "shim" / "out", "--ckpt-dir", tmp_path / "shim" / "ckpt", "--data",
+                              "sequential", "--max-epochs", "1", "--ckpt-path", tmp_path / "ref" / "ckpt" / "step=4.ckpt",
+                              nproc=0)
+    assert "does not say where the data was" in output
+    shim = tmp_path / "shim" / "out"
+    assert [r[2:] for r in _records(shim, "trained", 0)] == [[i + 4, r[3]] for i, r in enumerate(trained[:8])]
+    assert info(shim, "final")["global_step"] == 12
