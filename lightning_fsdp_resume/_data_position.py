@@ -51,12 +51,15 @@ def epoch_start(loaders: Sequence[Any]) -> Dict[str, Any]:
     return {"rng": _rank_states.rng_state(), "generators": _generator_states(loaders)}
 
 
-def position(epoch: int, batches: int, start: Optional[Dict[str, Any]], loaders: Sequence[Any]) -> Dict[str, Any]:
-    """This rank's place in the data: ``batches`` of epoch ``epoch`` trained on, the states its iterator was made
-    from (``start``), its generators' states now, and each loader's own ``state_dict()`` where it has one."""
+def position(epoch: int, batches: int, validating: bool, start: Optional[Dict[str, Any]],
+             loaders: Sequence[Any]) -> Dict[str, Any]:
+    """This rank's place in the data: ``batches`` of epoch ``epoch`` trained on (and the validation after them run,
+    where saved while ``validating``), the states its iterator was made from (``start``), its generators' states
+    now, and each loader's own ``state_dict()`` where it has one."""
     return {
         "epoch": epoch,
         "batches": batches,
+        "validated": validating,
         "start": start,
         "generators": _generator_states(loaders),
         "loaders": [loader.state_dict() if stateful(loader) else None for loader in loaders],

@@ -13,6 +13,7 @@ KEY = "lightning_fsdp_resume_data_position"  # in the epoch loop's state dict: e
 _START = "_lightning_fsdp_resume_epoch_start"  # this rank's random states as the epoch's iterator was made
 _PENDING = "_lightning_fsdp_resume_position"  # this rank's position in the checkpoint being resumed
 _END_OF_BATCH = "_lightning_fsdp_resume_end_of_batch"  # the saved batch was trained, its end was not run
+_VALIDATED = "_lightning_fsdp_resume_validated"  # the validation due after it ran: the save was at its end
 _STOCK_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
@@ -32,9 +33,10 @@ def wrap_on_save_checkpoint(original: Callable) -> Callable:
     def on_save_checkpoint(self: Any) -> Dict:
         state = original(self)
         if _on(self):
-            mine = _data_position.position(
-                self.trainer.current_epoch, self.batch_progress.current.processed, vars(self).get(_START), _loaders(self)
-            )
+            trainer = self.trainer
+            mine = _data_position.position(trainer.current_epoch, self.batch_progress.current.processed,
+                                           trainer.validating and trainer.state.fn == "fit", vars(self).get(_START),
+                                           _loaders(self))
             state[KEY] = _ranks.everyone(mine)
         return state
 
@@ -64,7 +66,9 @@ def wrap_on_load_checkpoint(original: Callable) -> Callable:
 def wrap_reset(original: Callable) -> Callable:
     """On a resume inside an epoch: a checkpoint taken after a batch was trained (``on_train_batch_end``, as
     ``ModelCheckpoint(every_n_train_steps=...)`` saves) counts that batch as done, and ``advance`` then runs only
-    the rest of that batch's end (validation if due, ``_batches_that_stepped``), as the uninterrupted run did."""
+    the rest of that batch's end (validation if due, ``_batches_that_stepped``), as the uninterrupted run did. One
+    taken at the end of the validation after a batch (``ModelCheckpoint(monitor=...)``) runs that end without the
+    validation, which Lightning ran again."""
 
     @functools.wraps(original)
     def reset(self: Any) -> None:
@@ -78,7 +82,10 @@ def wrap_reset(original: Callable) -> Callable:
         _refuse_inside_accumulation(self)
         with _quiet(_STOCK_WARNING):
             original(self)
-        vars(self)[_END_OF_BATCH] = trained
+        saved = vars(self).get(_PENDING)
+        validated = bool(saved and saved.get("validated")) and _inside_epoch_or_at_its_end(self)
+        vars(self)[_END_OF_BATCH] = trained or validated
+        vars(self)[_VALIDATED] = validated
         if vars(self).get(_PENDING) is None and _inside_epoch(self) and self.trainer.global_rank == 0:
             warnings.warn(
                     "You're resuming from a checkpoint that ended before the epoch ended and that does not say where"
@@ -98,6 +105,16 @@ def wrap_advance(original: Callable) -> Callable:
         original(self, data_fetcher)
 
     return advance
+
+
+def wrap_should_check_val_fx(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _should_check_val_fx(self: Any, *args: Any, **kwargs: Any) -> bool:
+        if vars(self).pop(_VALIDATED, False):
+            return False  # the checkpoint was saved at the end of this validation: it ran
+        return original(self, *args, **kwargs)
+
+    return _should_check_val_fx
 
 
 def wrap_on_run_start(original: Callable) -> Callable:
@@ -142,6 +159,10 @@ def wrap_on_run_start(original: Callable) -> Callable:
 def _inside_epoch(self: Any) -> bool:
     done = self.batch_progress.current.completed
     return 0 < done and done != self.trainer.num_training_batches
+
+
+def _inside_epoch_or_at_its_end(self: Any) -> bool:
+    return self.batch_progress.current.completed > 0
 
 
 def _refuse_inside_accumulation(self: Any) -> None:

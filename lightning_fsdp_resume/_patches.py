@@ -197,6 +197,8 @@ def EPOCH_LOOP_PATCHES() -> Rows:
         # the batch the checkpoint was taken after is done: not trained again, its end (validation) run
         "reset": Wrap(_epoch_loop.wrap_reset),
         "advance": Wrap(_epoch_loop.wrap_advance),
+        # a checkpoint saved at the end of a validation inside the epoch: that validation is not run again
+        "_should_check_val_fx": Wrap(_epoch_loop.wrap_should_check_val_fx),
         # the epoch's data iterator made from the epoch's random states, going on after the checkpoint's batch
         "on_run_start": Wrap(_epoch_loop.wrap_on_run_start),
     }

@@ -31,8 +31,10 @@ def _records(out: Path, name: str, rank: int) -> list:
 
 def _resumes_exactly(tmp_path: Path, args, at_steps, nproc: int = 2, weights: bool = True) -> str:
     """The uninterrupted run, then one resumed from each step of ``at_steps``: from that step on, every rank trains
-    the same samples at the same steps and batch indices, validates at the same steps, and ends with the same shards
-    and optimizer state. Returns the resumed runs' output."""
+    the same samples at the same steps and batch indices, validates at the same steps (at the checkpoint's step too,
+    unless it was saved at the end of that validation), and ends with the same shards and optimizer state. Returns
+    the resumed runs' output."""
+    saved_after_validating = "--at-validation-end" in args
     ref = _run(tmp_path / "ref", *args, nproc=nproc)
     output = ""
     for step in at_steps:
@@ -42,9 +44,8 @@ def _resumes_exactly(tmp_path: Path, args, at_steps, nproc: int = 2, weights: bo
         for rank in range(max(nproc, 1)):
             expected = [record for record in _records(ref, "trained", rank) if record[0] >= step]
             assert _records(resumed, "trained", rank) == expected, f"rank {rank}, resumed from step {step}"
-            validated = [record for record in _records(ref, "validated", rank) if record[0] > step]
-            assert [r for r in _records(resumed, "validated", rank) if r[0] > step] == validated
-            assert _records(resumed, "validated", rank)[:1] == [r for r in _records(ref, "validated", rank) if r[0] >= step][:1]
+            validated = [r for r in _records(ref, "validated", rank) if r[0] > step or r[0] == step and not saved_after_validating]
+            assert _records(resumed, "validated", rank) == validated, f"rank {rank}, resumed from step {step}"
         assert info(resumed, "final")["global_step"] == info(ref, "final")["global_step"]
         if weights:
             assert_ranks_identical(ref, "final", resumed, "final")
@@ -68,6 +69,16 @@ def test_a_run_resumed_inside_an_epoch_trains_what_the_uninterrupted_run_did(tmp
     main process, and a validation every 2 batches: one of them due right after the checkpoint's batch."""
     args = ["--state-dict-type", state_dict_type, "--wrap", wrap, "--data", "shuffle", "--augment", "--val-every", "2"]
     _resumes_exactly(tmp_path, args, at_steps=[4, 16])
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's resume after a validation: native Lightning is not patched")
+@needs_cpu_fsdp
+def test_a_checkpoint_saved_at_the_end_of_a_validation_does_not_validate_again(tmp_path):
+    """``ModelCheckpoint(monitor="val_loss")`` saves at the end of each validation, every 2 batches: inside epoch 0
+    (step 4) and at the end of epoch 1 (step 12, its last batch). The resumed run goes on with the next batch, and
+    runs no validation the uninterrupted run did not (Lightning 2.0.x ran that one again)."""
+    args = ["--data", "shuffle", "--val-every", "2", "--at-validation-end", "--state-dict-type", "full"]
+    _resumes_exactly(tmp_path, args, at_steps=[4, 12])
 
 
 @pytest.mark.skipif(NATIVE, reason="the shim's fallback and its log line: native Lightning is not patched")

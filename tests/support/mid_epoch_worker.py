@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--augment", action="store_true", help="each sample drawn with noise from the RNG")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--every", type=int, default=4, help="ModelCheckpoint(every_n_train_steps=...)")
+    parser.add_argument("--at-validation-end", action="store_true", help="save at the end of each validation instead")
     parser.add_argument("--val-every", type=int, default=0, help="val_check_interval in batches (0: no validation)")
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument("--ckpt-path", default=None)
@@ -147,8 +148,11 @@ def main() -> None:
         devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     else:
         strategy, devices = "auto", 1
-    callbacks = [ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{step}", every_n_train_steps=args.every,
-                                 save_top_k=-1)]
+    if args.at_validation_end:  # ModelCheckpoint(monitor=...): a save at the end of every validation
+        saving = {"monitor": "val_loss"}
+    else:
+        saving = {"every_n_train_steps": args.every}
+    callbacks = [ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{step}", save_top_k=-1, **saving)]
     if args.save_at_batch is not None:
         callbacks.append(SaveAt(args.ckpt_dir / "mid-epoch.ckpt", args.save_at_batch))
     validation = {"val_check_interval": args.val_every, "limit_val_batches": 2} if args.val_every else {"limit_val_batches": 0}
