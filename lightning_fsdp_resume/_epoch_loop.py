@@ -125,7 +125,7 @@ def wrap_on_run_start(original: Callable) -> Callable:
     def on_run_start(self: Any, data_fetcher: Any) -> None:
         if not _on(self):
             return original(self, data_fetcher)
-        loaders = list(data_fetcher.combined_loader.flattened)
+        loaders = _loaders(self)
         saved = vars(self).pop(_PENDING, None)
         if saved is None or not saved.get("start") or saved["epoch"] != self.trainer.current_epoch or not self.restarting:
             if saved is not None:  # resumed at an epoch's end: the samplers' generators as the saving run left them
@@ -150,10 +150,18 @@ def wrap_on_run_start(original: Callable) -> Callable:
         if _data_position.reposition(loaders, saved, create, fetch) == "batches":
             # the batches dropped count among the fetcher's own; the loop's count (batch_idx) is the one it set
             data_fetcher.fetched = fetched[0]
-            if data_fetcher.length is not None:
-                data_fetcher.done = data_fetcher.fetched >= data_fetcher.length
+            length = _length(data_fetcher)
+            if length is not None:
+                data_fetcher.done = data_fetcher.fetched >= length
 
     return on_run_start
+
+
+def _length(data_fetcher: Any) -> Any:
+    """The number of batches the fetcher counts its ``done`` by; None where it learns it from the loader's end."""
+    if hasattr(data_fetcher, "length"):  # Lightning 2.0.9
+        return data_fetcher.length
+    return len(data_fetcher.dataloader) if getattr(data_fetcher, "_has_len", False) else None  # 2.0.0 to 2.0.8
 
 
 def _inside_epoch(self: Any) -> bool:

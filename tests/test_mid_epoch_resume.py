@@ -104,6 +104,16 @@ def test_workers_resume_exactly_by_index_or_by_replay_where_they_draw_random_num
     _resumes_exactly(tmp_path, args, at_steps=[4])
 
 
+@pytest.mark.skipif(NATIVE, reason="the shim's fallback: native Lightning is not patched")
+@needs_cpu_fsdp
+def test_two_train_loaders_combined_are_replayed_exactly(tmp_path):
+    """Two loaders that Lightning combines (``max_size_cycle``; the shorter one, 3 batches a rank, starts again inside
+    the epoch, after the checkpoint's batch): their batches are loaded again and dropped."""
+    output = _resumes_exactly(tmp_path, ["--data", "pair"], at_steps=[4])
+    assert "Resumed inside epoch 0: loaded and dropped the 4 batches already trained on" in output
+    assert "(2 train dataloaders)" in output
+
+
 @pytest.mark.skipif(NATIVE, reason="the shim's refusal: native Lightning is not patched")
 @needs_cpu_fsdp
 def test_gradient_accumulation_resumes_at_its_steps_and_refuses_between_them(tmp_path):

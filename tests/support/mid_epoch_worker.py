@@ -62,6 +62,9 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 def loader(kind: str, workers: int, augment: bool):
+    if kind == "pair":  # two loaders, which Lightning combines (max_size_cycle): the shorter one starts again
+        small = torch.utils.data.Subset(Samples(augment), range(20))
+        return {"a": loader("shuffle", workers, augment), "b": torch.utils.data.DataLoader(small, batch_size=4, shuffle=True)}
     kwargs = {"batch_size": 4, "num_workers": workers}
     if kind == "iterable":
         return torch.utils.data.DataLoader(Stream(augment), **kwargs)
@@ -95,9 +98,10 @@ class Net(L.LightningModule):
         return self.head(torch.tanh(self.body(x)))
 
     def training_step(self, batch, batch_idx):
-        x, y, index = batch
-        self.trained.append([self.global_step, self.current_epoch, batch_idx, index.tolist()])
-        return nn.functional.mse_loss(self(x), y)
+        parts = list(batch.values()) if isinstance(batch, dict) else [batch]
+        indices = [index.tolist() for _, _, index in parts]
+        self.trained.append([self.global_step, self.current_epoch, batch_idx, indices if len(parts) > 1 else indices[0]])
+        return sum(nn.functional.mse_loss(self(x), y) for x, y, _ in parts)
 
     def validation_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -119,7 +123,7 @@ def main() -> None:
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--wrap", choices=["policy", "root"], default="policy")
     parser.add_argument("--use-orig-params", type=int, default=0)
-    parser.add_argument("--data", default="shuffle", help="sequential, shuffle, generator, batch-sampler, iterable, stateful")
+    parser.add_argument("--data", default="shuffle", help="sequential, shuffle, generator, batch-sampler, iterable, stateful, pair")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--augment", action="store_true", help="each sample drawn with noise from the RNG")
     parser.add_argument("--accumulate", type=int, default=1)
