@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
+from support.flavours import PATCHABLE_TRAINERS
 from support.marks import long_runs, needs_cpu_fsdp
 from support.ranks import _run
 
@@ -101,3 +102,18 @@ def test_scaling_reports_each_size_a_fitted_line_and_a_plot(tmp_path):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "No plot: matplotlib is not installed" in output and not plot.exists()
+
+
+DATA_POSITION = Path(__file__).parent.parent / "benchmarks" / "data_position.py"
+
+
+@pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="the data position is the patched Trainer's (native Lightning has none)")
+def test_the_data_position_benchmark_reports_both_ways_and_its_target(tmp_path):
+    """One process, no ranks: a small epoch, each way's median and spread, and the ratio against its target."""
+    output = _run([sys.executable, str(DATA_POSITION), "--batches", "200", "--repeats", "3"])
+    (rows,) = _tables(output)
+    assert [row["way"] for row in rows] == ["left out by index (skip)", "loaded and dropped (replay)"]
+    assert all(re.fullmatch(r"[0-9.]+ s", row["median"]) and re.fullmatch(r"[0-9.]+–[0-9.]+ s", row["spread (min–max)"])
+               for row in rows)
+    assert re.search(r"skip / replay: [0-9.]+ \(target ≤ 0\.01\): (met|MISSED)", output)
+    assert "loaded and dropped the" not in output  # the replays' warnings are the table's, not lines of their own
