@@ -27,7 +27,8 @@ def _loaders(self: Any) -> list:
 
 
 def wrap_on_save_checkpoint(original: Callable) -> Callable:
-    """Every rank's data position beside the loop's counters (a collective: every rank dumps a checkpoint)."""
+    """Every rank's data position beside the loop's counters, where every rank saves (the patched FSDP strategy's
+    saves are collectives); rank 0's for every rank elsewhere, whose saves rank 0 may make alone (DDP)."""
 
     @functools.wraps(original)
     def on_save_checkpoint(self: Any) -> Dict:
@@ -37,10 +38,19 @@ def wrap_on_save_checkpoint(original: Callable) -> Callable:
             mine = _data_position.position(trainer.current_epoch, self.batch_progress.current.processed,
                                            trainer.validating and trainer.state.fn == "fit", vars(self).get(_START),
                                            _loaders(self))
-            state[KEY] = _ranks.everyone(mine)
+            if _every_rank_saves(trainer):
+                state[KEY] = _ranks.everyone(mine)
+            else:
+                state[KEY] = [dict(mine, every_rank=_rank_states.rank_and_world_size()[1] > 1)]
         return state
 
     return on_save_checkpoint
+
+
+def _every_rank_saves(trainer: Any) -> bool:
+    from . import _strategy
+
+    return getattr(type(trainer.strategy), "save_checkpoint", None) is _strategy.save_checkpoint
 
 
 def wrap_on_load_checkpoint(original: Callable) -> Callable:
@@ -52,7 +62,8 @@ def wrap_on_load_checkpoint(original: Callable) -> Callable:
         if not isinstance(saved, list) or not saved:
             return
         rank, world_size = _rank_states.rank_and_world_size()
-        if len(saved) != world_size and rank == 0:
+        for_every_rank = len(saved) == 1 and saved[0].get("every_rank")
+        if len(saved) != world_size and not for_every_rank and rank == 0:
             warnings.warn(
                 f"The checkpoint was saved by {len(saved)} ranks and is resumed on {world_size}: each rank leaves out the"
                 " batches it would have trained first in this epoch, which on another number of ranks are not the"

@@ -29,7 +29,7 @@ def _records(out: Path, name: str, rank: int) -> list:
     return json.loads((out / f"{name}_rank{rank}.json").read_text())
 
 
-def _resumes_exactly(tmp_path: Path, args, at_steps, nproc: int = 2, weights: bool = True) -> str:
+def _resumes_exactly(tmp_path: Path, args, at_steps, nproc: int = 2, weights: bool = True, name: str = "step={}.ckpt") -> str:
     """The uninterrupted run, then one resumed from each step of ``at_steps``: from that step on, every rank trains
     the same samples at the same steps and batch indices, validates at the same steps (at the checkpoint's step too,
     unless it was saved at the end of that validation), and ends with the same shards and optimizer state. Returns
@@ -40,7 +40,7 @@ def _resumes_exactly(tmp_path: Path, args, at_steps, nproc: int = 2, weights: bo
     for step in at_steps:
         resumed = tmp_path / f"from{step}" / "out"
         output += mid_epoch_worker("--out", resumed, "--ckpt-dir", resumed.parent / "ckpt", *args, "--ckpt-path",
-                                   tmp_path / "ref" / "ckpt" / f"step={step}.ckpt", nproc=nproc)
+                                   tmp_path / "ref" / "ckpt" / name.format(step), nproc=nproc)
         for rank in range(max(nproc, 1)):
             expected = [record for record in _records(ref, "trained", rank) if record[0] >= step]
             assert _records(resumed, "trained", rank) == expected, f"rank {rank}, resumed from step {step}"
@@ -59,15 +59,16 @@ native_fails = pytest.mark.xfail(
 
 
 @needs_cpu_fsdp
-@pytest.mark.parametrize("state_dict_type, wrap", [
-    pytest.param("sharded", "policy", marks=native_fails),
-    pytest.param("full", "root", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("state_dict_type, wrap, data", [
+    pytest.param("sharded", "policy", "shuffle", marks=native_fails),
+    pytest.param("full", "root", "user-distributed", marks=pytest.mark.skipif(
         NATIVE, reason=f"native Lightning {VERSION} cannot save a full checkpoint with use_orig_params=False")),
 ])
-def test_a_run_resumed_inside_an_epoch_trains_what_the_uninterrupted_run_did(tmp_path, state_dict_type, wrap):
-    """Lightning's DistributedSampler shuffling by epoch, samples drawn with noise from the global generator in the
-    main process, and a validation every 2 batches: one of them due right after the checkpoint's batch."""
-    args = ["--state-dict-type", state_dict_type, "--wrap", wrap, "--data", "shuffle", "--augment", "--val-every", "2"]
+def test_a_run_resumed_inside_an_epoch_trains_what_the_uninterrupted_run_did(tmp_path, state_dict_type, wrap, data):
+    """A DistributedSampler shuffling by epoch (Lightning's, or the user's own), samples drawn with noise from the
+    global generator in the main process, and a validation every 2 batches: one of them due right after the
+    checkpoint's batch."""
+    args = ["--state-dict-type", state_dict_type, "--wrap", wrap, "--data", data, "--augment", "--val-every", "2"]
     _resumes_exactly(tmp_path, args, at_steps=[4, 16])
 
 
@@ -98,9 +99,9 @@ def test_a_stream_without_state_is_replayed_to_where_it_stopped_with_a_log_line(
 @pytest.mark.parametrize("augment, mode", [(False, "skip"), (True, "replay")])
 def test_workers_resume_exactly_by_index_or_by_replay_where_they_draw_random_numbers(tmp_path, augment, mode):
     """``num_workers=2``: their seeds come from the epoch's start, so leaving out indices is exact where loading a
-    sample draws nothing; where the workers draw noise, ``set_mid_epoch_resume("replay")`` loads the batches again
-    through them and is exact too."""
-    args = ["--data", "shuffle", "--workers", "2", "--mode", mode] + (["--augment"] if augment else [])
+    sample draws nothing (persistent workers, which the next epochs reuse); where the workers draw noise,
+    ``set_mid_epoch_resume("replay")`` loads the batches again through them and is exact too."""
+    args = ["--data", "shuffle", "--workers", "2", "--mode", mode] + (["--augment"] if augment else ["--persistent-workers"])
     _resumes_exactly(tmp_path, args, at_steps=[4])
 
 
@@ -112,6 +113,15 @@ def test_two_train_loaders_combined_are_replayed_exactly(tmp_path):
     output = _resumes_exactly(tmp_path, ["--data", "pair"], at_steps=[4])
     assert "Resumed inside epoch 0: loaded and dropped the 4 batches already trained on" in output
     assert "(2 train dataloaders)" in output
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim patches Lightning 2.0.x's loop, which native Lightning does not use")
+def test_ddp_saved_by_rank_zero_alone_resumes_every_rank_in_place(tmp_path):
+    """DDP saves may be made by rank 0 alone (``if trainer.is_global_zero: trainer.save_checkpoint(...)``): no rank
+    waits for the others, and the checkpoint's one position serves every rank (Lightning's DistributedSampler). DDP
+    in Lightning 2.0.x saves no random states: the data and the steps are compared."""
+    args = ["--strategy", "ddp", "--data", "shuffle", "--save-at-batch", "3", "--rank-zero-saves"]
+    _resumes_exactly(tmp_path, args, at_steps=[3], weights=False, name="mid-epoch.ckpt")
 
 
 @pytest.mark.skipif(NATIVE, reason="the shim's refusal: native Lightning is not patched")

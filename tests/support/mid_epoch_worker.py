@@ -61,11 +61,11 @@ class Stream(torch.utils.data.IterableDataset):
             yield self.samples[i]
 
 
-def loader(kind: str, workers: int, augment: bool):
+def loader(kind: str, workers: int, augment: bool, persistent: bool = False):
     if kind == "pair":  # two loaders, which Lightning combines (max_size_cycle): the shorter one starts again
         small = torch.utils.data.Subset(Samples(augment), range(20))
         return {"a": loader("shuffle", workers, augment), "b": torch.utils.data.DataLoader(small, batch_size=4, shuffle=True)}
-    kwargs = {"batch_size": 4, "num_workers": workers}
+    kwargs = {"batch_size": 4, "num_workers": workers, "persistent_workers": persistent}
     if kind == "iterable":
         return torch.utils.data.DataLoader(Stream(augment), **kwargs)
     dataset = Samples(augment)
@@ -75,6 +75,10 @@ def loader(kind: str, workers: int, augment: bool):
         return torch.utils.data.DataLoader(dataset, shuffle=True, **kwargs)
     if kind == "generator":  # a RandomSampler with its own generator (kept where Lightning injects no sampler)
         sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(7))
+        return torch.utils.data.DataLoader(dataset, sampler=sampler, **kwargs)
+    if kind == "user-distributed":  # the user's own DistributedSampler, which Lightning keeps (and sets the epoch of)
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=int(os.environ["WORLD_SIZE"]),
+                                                      rank=int(os.environ["RANK"]), shuffle=True, seed=3)
         return torch.utils.data.DataLoader(dataset, sampler=sampler, **kwargs)
     if kind == "stateful":  # a loader that says where it is: torchdata's
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -119,12 +123,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ckpt-dir", type=Path, required=True)
-    parser.add_argument("--strategy", choices=["fsdp", "single"], default="fsdp")
+    parser.add_argument("--strategy", choices=["fsdp", "ddp", "single"], default="fsdp")
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--wrap", choices=["policy", "root"], default="policy")
     parser.add_argument("--use-orig-params", type=int, default=0)
-    parser.add_argument("--data", default="shuffle", help="sequential, shuffle, generator, batch-sampler, iterable, stateful, pair")
+    parser.add_argument("--data", default="shuffle", help="sequential, shuffle, user-distributed, generator, batch-sampler, iterable, stateful, pair")
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--persistent-workers", action="store_true", help="DataLoader(persistent_workers=True)")
     parser.add_argument("--augment", action="store_true", help="each sample drawn with noise from the RNG")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--every", type=int, default=4, help="ModelCheckpoint(every_n_train_steps=...)")
@@ -134,6 +139,7 @@ def main() -> None:
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--mode", default=None, help="lightning_fsdp_resume.set_mid_epoch_resume(MODE)")
     parser.add_argument("--save-at-batch", type=int, default=None, help="also save mid-epoch.ckpt after this batch of epoch 0")
+    parser.add_argument("--rank-zero-saves", action="store_true", help="mid-epoch.ckpt is saved by rank 0 alone")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
@@ -150,6 +156,8 @@ def main() -> None:
         wrapping = {"auto_wrap_policy": ModuleWrapPolicy({nn.Sequential})} if args.wrap == "policy" else {}
         strategy = FSDPStrategy(state_dict_type=args.state_dict_type, use_orig_params=bool(args.use_orig_params), **wrapping)
         devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    elif args.strategy == "ddp":
+        strategy, devices = "ddp", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     else:
         strategy, devices = "auto", 1
     if args.at_validation_end:  # ModelCheckpoint(monitor=...): a save at the end of every validation
@@ -158,13 +166,13 @@ def main() -> None:
         saving = {"every_n_train_steps": args.every}
     callbacks = [ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{step}", save_top_k=-1, **saving)]
     if args.save_at_batch is not None:
-        callbacks.append(SaveAt(args.ckpt_dir / "mid-epoch.ckpt", args.save_at_batch))
+        callbacks.append(SaveAt(args.ckpt_dir / "mid-epoch.ckpt", args.save_at_batch, args.rank_zero_saves))
     validation = {"val_check_interval": args.val_every, "limit_val_batches": 2} if args.val_every else {"limit_val_batches": 0}
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.max_epochs,
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, deterministic=True, accumulate_grad_batches=args.accumulate, **validation)
     model = Net()
-    data = loader(args.data, args.workers, args.augment)
+    data = loader(args.data, args.workers, args.augment, args.persistent_workers)
     val = {"val_dataloaders": loader("sequential", 0, False)} if args.val_every else {}
     try:
         trainer.fit(model, train_dataloaders=data, ckpt_path=args.ckpt_path, **val)
@@ -182,13 +190,14 @@ def main() -> None:
 
 
 class SaveAt(L.Callback):
-    """Saves ``path`` after batch ``batch`` of epoch 0 (a save ``ModelCheckpoint``'s step counting would not make)."""
+    """Saves ``path`` after batch ``batch`` of epoch 0 (a save ``ModelCheckpoint``'s step counting would not make), on
+    every rank or, as DDP allows, on rank 0 alone."""
 
-    def __init__(self, path: Path, batch: int) -> None:
-        self.path, self.batch = path, batch
+    def __init__(self, path: Path, batch: int, rank_zero: bool) -> None:
+        self.path, self.batch, self.rank_zero = path, batch, rank_zero
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.current_epoch == 0 and batch_idx + 1 == self.batch:
+        if trainer.current_epoch == 0 and batch_idx + 1 == self.batch and (trainer.is_global_zero or not self.rank_zero):
             trainer.save_checkpoint(self.path)
 
 
