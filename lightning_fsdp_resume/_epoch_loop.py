@@ -94,15 +94,15 @@ def wrap_reset(original: Callable) -> Callable:
         with _quiet(_STOCK_WARNING):
             original(self)
         saved = vars(self).get(_PENDING)
-        validated = bool(saved and saved.get("validated")) and _inside_epoch_or_at_its_end(self)
+        validated = bool(saved and saved.get("validated")) and batches.current.completed > 0
         vars(self)[_END_OF_BATCH] = trained or validated
         vars(self)[_VALIDATED] = validated
-        if vars(self).get(_PENDING) is None and _inside_epoch(self) and self.trainer.global_rank == 0:
+        if saved is None and _inside_epoch(self) and self.trainer.global_rank == 0:
             warnings.warn(
-                    "You're resuming from a checkpoint that ended before the epoch ended and that does not say where"
-                    " the data was (it was not saved with lightning_fsdp_resume's mid-epoch position): this epoch's"
-                    " data starts again from its first batch."
-                )
+                "You're resuming from a checkpoint that ended before the epoch ended and that does not say where"
+                " the data was (it was not saved with lightning_fsdp_resume's mid-epoch position): this epoch's"
+                " data starts again from its first batch."
+            )
 
     return reset
 
@@ -178,10 +178,6 @@ def _length(data_fetcher: Any) -> Any:
 def _inside_epoch(self: Any) -> bool:
     done = self.batch_progress.current.completed
     return 0 < done and done != self.trainer.num_training_batches
-
-
-def _inside_epoch_or_at_its_end(self: Any) -> bool:
-    return self.batch_progress.current.completed > 0
 
 
 def _refuse_inside_accumulation(self: Any) -> None:
