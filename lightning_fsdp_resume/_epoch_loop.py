@@ -62,14 +62,10 @@ def wrap_on_load_checkpoint(original: Callable) -> Callable:
         if not isinstance(saved, list) or not saved:
             return
         rank, world_size = _rank_states.rank_and_world_size()
-        for_every_rank = len(saved) == 1 and saved[0].get("every_rank")
-        if len(saved) != world_size and not for_every_rank and rank == 0:
-            warnings.warn(
-                f"The checkpoint was saved by {len(saved)} ranks and is resumed on {world_size}: each rank leaves out the"
-                " batches it would have trained first in this epoch, which on another number of ranks are not the"
-                " samples the saving run trained on."
-            )
-        vars(self)[_PENDING] = saved[rank] if rank < len(saved) else saved[0]
+        mine = saved[rank] if rank < len(saved) else saved[0]
+        for_every_rank = len(saved) == 1 and mine.get("every_rank")
+        # on another number of ranks, a sampler's share of the data differs: said where the epoch is resumed inside
+        vars(self)[_PENDING] = dict(mine, saved_by=len(saved) if len(saved) != world_size and not for_every_rank else None)
 
     return on_load_checkpoint
 
@@ -144,6 +140,12 @@ def wrap_on_run_start(original: Callable) -> Callable:
             vars(self)[_START] = _data_position.epoch_start(loaders)
             return original(self, data_fetcher)
         vars(self)[_START] = saved["start"]
+        if saved["batches"] and saved["saved_by"] and self.trainer.global_rank == 0:
+            warnings.warn(
+                f"The checkpoint was taken inside epoch {saved['epoch']} by {saved['saved_by']} ranks and is resumed on"
+                f" {self.trainer.world_size}: each rank leaves out the {saved['batches']} batches it would have trained"
+                " first in this epoch, which on another number of ranks are not the samples the saving run trained on."
+            )
         if saved["batches"] == 0:
             _data_position.restore_generators(loaders, saved["start"]["generators"])
             return original(self, data_fetcher)

@@ -178,3 +178,16 @@ def test_lightnings_own_resume_on_request_and_a_checkpoint_without_a_position_wa
     shim = tmp_path / "shim" / "out"
     assert [r[2:] for r in _records(shim, "trained", 0)] == [[i + 4, r[3]] for i, r in enumerate(trained[:8])]
     assert info(shim, "final")["global_step"] == 12
+
+
+@pytest.mark.skipif(NATIVE, reason="the shim's data position: native Lightning is not patched")
+@needs_cpu_fsdp
+def test_a_checkpoint_inside_an_epoch_resumed_on_three_ranks_says_its_samples_differ(tmp_path):
+    """Saved by 2 ranks inside epoch 0, resumed on 3: each rank leaves out as many batches as it trained, which are
+    not the same samples on another number of ranks, and rank 0 says so once; the run goes on to its end."""
+    _run(tmp_path / "ref", "--max-epochs", 1, "--every", 2)
+    output = mid_epoch_worker("--out", tmp_path / "three" / "out", "--ckpt-dir", tmp_path / "three" / "ckpt",
+                              "--max-epochs", 2, "--ckpt-path", tmp_path / "ref" / "ckpt" / "step=2.ckpt", nproc=3)
+    assert output.count("The checkpoint was taken inside epoch 0 by 2 ranks and is resumed on 3: each rank leaves"
+                        " out the 2 batches") == 1
+    assert info(tmp_path / "three" / "out", "final")["epoch"] == 2
