@@ -15,9 +15,9 @@ import pytest
 import lightning_fsdp_resume as shim
 from lightning_fsdp_resume import _versions
 from lightning_fsdp_resume._patches import FSDP_STRATEGY_PATCHES, TABLES, tables_for
-from support.flavours import FLAVOURS, INSTALLED, PATCHABLE, PATCHABLE_TRAINERS, strategy_class
+from support.flavours import FLAVOURS, INSTALLED, NATIVE_MODE, PATCHABLE, PATCHABLE_TRAINERS, mode_of, strategy_class
 
-NATIVE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.NATIVE]
+NATIVE = [p for p, v in INSTALLED.items() if mode_of(v) == NATIVE_MODE]
 # An attribute the FSDPStrategy of each kind defines itself when patched or native, and not in 2.0.x
 MARKER = {_versions.TRAINER: "restore_checkpoint_after_setup", _versions.FABRIC: "load_checkpoint"}
 
@@ -148,6 +148,19 @@ def test_environment_variable_disables_the_automatic_patch(probe):
     if PATCHABLE:
         assert "unpatched" in before and "patched" not in before
         assert "patched" in after and "unpatched" not in after
+    else:  # native Lightning only: neither the variable nor patch() changes anything
+        assert before == after and "native" in before and not {"patched", "unpatched"} & before
+
+
+def test_the_tests_read_the_installed_releases_as_the_shim_does():
+    """The tests decide what runs from the installed releases themselves (support/flavours.py), not from the shim:
+    the two readings agree, flavour for flavour."""
+    shims = {f.package: _versions.installed_version(f) for f in _versions.FLAVOURS}
+    assert {p: v for p, v in shims.items() if v} == INSTALLED
+    for package, version in INSTALLED.items():
+        decided = _versions.decide(version)[0]
+        assert (mode_of(version) or _versions.UNSUPPORTED) == decided, (package, version)
+        assert FLAVOURS[package].kind == next(f.kind for f in _versions.FLAVOURS if f.package == package)
 
 
 @pytest.mark.skipif(not PATCHABLE, reason="no Lightning 2.0.x installed: nothing to patch")

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._integrity import verify
 from support.crash_chain import run_chain
 from support.flavours import NATIVE, VERSION
-from support.marks import needs_cpu_fsdp, needs_patched_fabric
+from support.marks import TORCH, needs_cpu_fsdp, needs_patched_fabric
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, config, fabric_config, fabric_worker, worker
 from support.states import assert_ranks_identical
 from support.stores import LocalStore
@@ -24,7 +23,7 @@ pytestmark = [
     needs_cpu_fsdp,
     pytest.mark.skipif(NATIVE, reason=f"native Lightning {VERSION} saves FSDP checkpoints in the foreground"),
 ]
-needs_async_save = pytest.mark.skipif(not compat.saves_in_background(), reason="torch < 2.3 has no dcp.async_save")
+needs_async_save = pytest.mark.skipif(TORCH < (2, 3), reason="torch < 2.3 has no dcp.async_save")
 DELAY = "0.5"  # seconds each write starts late
 
 
@@ -106,7 +105,7 @@ def test_killed_background_writes_leave_the_previous_checkpoint_loadable(referen
     assert run_chain(reference, tmp_path, store, "sharded", 0, trials, first_save_killed=True, extra=["--async-save"]) == 4
 
 
-@pytest.mark.skipif(compat.saves_in_background(), reason="this torch saves in the background")
+@pytest.mark.skipif(TORCH >= (2, 3), reason="this torch saves in the background")
 def test_without_async_save_saves_are_written_in_the_foreground_and_said_so(reference, tmp_path):
     output = worker(tmp_path, *config(tmp_path, "sharded", 0), "--max-epochs", EPOCHS, "--async-save",
                     "--trace-saves", "0")

@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from lightning_fsdp_resume import _versions
-from lightning_fsdp_resume.demo import _lightning_version, _report
+from lightning_fsdp_resume.demo import _report
+from support.flavours import FABRIC, FABRIC_UNDER_TEST, INSTALLED, NATIVE_MODE, PATCH, TRAINER, TRAINER_UNDER_TEST, mode_of
 from support.marks import long_runs, needs_consolidate, needs_cpu_fsdp
 
 
@@ -17,9 +17,9 @@ def cli(*args, env=None):
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def _demo_lightning_is_patched(kind=_versions.TRAINER):
-    version = _lightning_version(kind)
-    return version is not None and _versions.decide(version)[0] == _versions.PATCH
+def _demo_lightning_is_patched(kind=TRAINER):
+    under_test = {TRAINER: TRAINER_UNDER_TEST, FABRIC: FABRIC_UNDER_TEST}[kind]
+    return under_test is not None and under_test.mode == PATCH
 
 
 @pytest.mark.multirank
@@ -40,7 +40,7 @@ def test_demo_fabric_resumes_bit_exactly_through_fabric_save_and_load(tmp_path):
 @pytest.mark.multirank
 @long_runs
 @needs_cpu_fsdp
-@pytest.mark.skipif(not _demo_lightning_is_patched(_versions.FABRIC), reason="the demo's Fabric is native: stock has no bug to show")
+@pytest.mark.skipif(not _demo_lightning_is_patched(FABRIC), reason="the demo's Fabric is native: stock has no bug to show")
 def test_demo_fabric_compare_stock_shows_stock_fabric_failing_and_the_shim_exact_with_full_files(tmp_path):
     args = ("demo", "--fabric", "--compare-stock", "--state-dict-type", "full", "--epochs", "2", "--stop-after", "1",
             "--hidden", "8", "--workdir", str(tmp_path))
@@ -79,8 +79,7 @@ def test_demo_compare_stock_shows_stock_lightning_wrong_and_the_shim_exact(tmp_p
 
 def _installed_modes():
     """Per installed flavour, what the shim does with it: patch or native (or unsupported)."""
-    found = {f.package: _versions.installed_version(f) for f in _versions.FLAVOURS}
-    return {package: _versions.decide(version)[0] for package, version in found.items() if version}
+    return {package: mode_of(version) or "unsupported" for package, version in INSTALLED.items()}
 
 
 def test_status_reports_each_flavour_and_exits_by_usability():
@@ -88,10 +87,10 @@ def test_status_reports_each_flavour_and_exits_by_usability():
     modes = _installed_modes()
     assert modes, "no Lightning flavour installed"
     for package, mode in modes.items():
-        shown = "patched" if mode == _versions.PATCH else mode
+        shown = "patched" if mode == PATCH else mode
         assert any(line.startswith(package) and f" {shown} " in line for line in result.stdout.splitlines()), result.stdout
     assert "torch" in result.stdout and "wrapt" in result.stdout
-    usable = any(mode in (_versions.PATCH, _versions.NATIVE) for mode in modes.values())
+    usable = any(mode in (PATCH, NATIVE_MODE) for mode in modes.values())
     assert result.returncode == (0 if usable else 1), result.stdout
 
 
@@ -99,9 +98,9 @@ def test_status_with_patching_off_counts_only_native_lightning():
     result = cli("status", env={"LIGHTNING_FSDP_RESUME_DISABLE": "1"})
     modes = _installed_modes()
     for package, mode in modes.items():
-        if mode == _versions.PATCH:
+        if mode == PATCH:
             assert any(line.startswith(package) and " unpatched " in line for line in result.stdout.splitlines())
-    native = any(mode == _versions.NATIVE for mode in modes.values())
+    native = any(mode == NATIVE_MODE for mode in modes.values())
     assert result.returncode == (0 if native else 1), result.stdout
     assert ("NOT usable" in result.stdout) == (not native)
 
@@ -128,7 +127,7 @@ def test_demo_verdict_demands_exact_equality(tmp_path, capsys, loss, weight, ver
 ])
 def test_demo_compare_stock_verdict_is_the_shims_and_shows_stock(tmp_path, capsys, monkeypatch, stock, shim_weight,
                                                                  verdict, shown):
-    monkeypatch.setattr("lightning_fsdp_resume.demo._lightning_version", lambda kind=_versions.TRAINER: "2.0.9")
+    monkeypatch.setattr("lightning_fsdp_resume.demo._lightning_version", lambda kind=TRAINER: "2.0.9")
     _write_run(tmp_path / "reference", {1: 0.7, 2: 0.5}, 1.0)
     _write_run(tmp_path / "resumed", {2: 0.5}, shim_weight)
     if stock == "differs":
@@ -146,11 +145,11 @@ def test_demo_compare_stock_verdict_is_the_shims_and_shows_stock(tmp_path, capsy
 
 
 def test_demo_compare_stock_names_stock_fabric_for_fabric_runs(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("lightning_fsdp_resume.demo._lightning_version", lambda kind=_versions.TRAINER: "2.0.9")
+    monkeypatch.setattr("lightning_fsdp_resume.demo._lightning_version", lambda kind=TRAINER: "2.0.9")
     _write_run(tmp_path / "reference", {1: 0.7, 2: 0.5}, 1.0)
     _write_run(tmp_path / "resumed", {2: 0.5}, 1.0)
     (tmp_path / "stock").mkdir()
-    assert _report(tmp_path / "reference", tmp_path / "resumed", 1, tmp_path / "stock", _versions.FABRIC) == 0
+    assert _report(tmp_path / "reference", tmp_path / "resumed", 1, tmp_path / "stock", FABRIC) == 0
     out = capsys.readouterr().out
     assert "stock Fabric 2.0.9" in out.splitlines()[1] and "stock Fabric 2.0.9: FAIL: resume failed: no output" in out
 

@@ -1,23 +1,61 @@
-"""The Lightning packages under test, chosen once, from the shim's own flavour list (``_versions.FLAVOURS``).
+"""The Lightning packages under test, read from what is installed and their releases: never from the package under
+test, so that a fault in its version logic cannot turn tests into skips (``test_activation`` holds the two to agree).
 
-Of each kind, the Trainer's and Fabric's, the rank programs run the first installed flavour in that list's
+Of each kind, the Trainer's and Fabric's, the rank programs run the first installed flavour in ``FLAVOURS``'s
 order: ``lightning``'s namespace (``lightning.pytorch``, ``lightning.fabric``) where ``lightning`` is installed,
 else the standalone package. The tests read its version and what the shim does with it from here too.
 Nothing here imports Lightning (``strategy_class`` and ``UnderTest.module`` do, when called).
 """
 import importlib
+import re
+from importlib import metadata
 from types import ModuleType
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
-from lightning_fsdp_resume import _versions
+TRAINER, FABRIC = "trainer", "fabric"  # the kinds the shim's patch tables are declared for
+PATCH, NATIVE_MODE = "patch", "native"  # what the shim is to do with a release: 2.0.x patched, 2.1 and newer native
 
-FLAVOURS = {f.package: f for f in _versions.FLAVOURS}
-INSTALLED = {p: v for p, v in ((p, _versions.installed_version(f)) for p, f in FLAVOURS.items()) if v}
-PATCHABLE = [p for p, v in INSTALLED.items() if _versions.decide(v)[0] == _versions.PATCH]
+
+class Flavour(NamedTuple):
+    package: str
+    distributions: Tuple[str, ...]  # the first installed one ships it
+    kind: str
+
+
+FLAVOURS = {f.package: f for f in (
+    Flavour("lightning.pytorch", ("lightning",), TRAINER),
+    Flavour("pytorch_lightning", ("pytorch-lightning",), TRAINER),
+    Flavour("lightning.fabric", ("lightning",), FABRIC),
+    # the standalone namespace ships in its own distribution and inside pytorch-lightning's
+    Flavour("lightning_fabric", ("lightning-fabric", "pytorch-lightning"), FABRIC),
+)}
+
+
+def release(version: str) -> Tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def _installed(flavour: Flavour) -> Optional[str]:
+    for distribution in flavour.distributions:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def mode_of(version: str) -> Optional[str]:
+    """What the shim is to do with a Lightning release: PATCH (2.0.x), NATIVE_MODE (2.1 and newer), or None."""
+    return {(2, 0): PATCH}.get(release(version), NATIVE_MODE if release(version) >= (2, 1) else None)
+
+
+INSTALLED = {p: v for p, v in ((p, _installed(f)) for p, f in FLAVOURS.items()) if v}
+PATCHABLE = [p for p, v in INSTALLED.items() if mode_of(v) == PATCH]
 # The Trainer's flavours (lightning.pytorch, pytorch_lightning), for the tests of the Trainer's strategy
-TRAINERS = [p for p in INSTALLED if FLAVOURS[p].kind == _versions.TRAINER]
+TRAINERS = [p for p in INSTALLED if FLAVOURS[p].kind == TRAINER]
 PATCHABLE_TRAINERS = [p for p in PATCHABLE if p in TRAINERS]
-PATCHABLE_FABRICS = [p for p in PATCHABLE if FLAVOURS[p].kind == _versions.FABRIC]
+PATCHABLE_FABRICS = [p for p in PATCHABLE if FLAVOURS[p].kind == FABRIC]
 
 
 class UnderTest(NamedTuple):
@@ -25,11 +63,11 @@ class UnderTest(NamedTuple):
 
     package: str  # "lightning.pytorch", "pytorch_lightning", "lightning.fabric" or "lightning_fabric"
     version: str
-    mode: str  # what the shim does with this release: _versions.PATCH or _versions.NATIVE
+    mode: str  # what the shim does with this release: PATCH or NATIVE_MODE
 
     @property
     def native(self) -> bool:
-        return self.mode == _versions.NATIVE
+        return self.mode == NATIVE_MODE
 
     def module(self, name: str = "") -> ModuleType:
         """The package, or its submodule ``name`` (``"strategies"``), imported."""
@@ -37,15 +75,15 @@ class UnderTest(NamedTuple):
 
 
 def under_test(kind: str) -> Optional[UnderTest]:
-    """The flavour of ``kind`` (``_versions.TRAINER`` or ``_versions.FABRIC``) under test; None if none is installed."""
-    package = next((f.package for f in _versions.FLAVOURS if f.kind == kind and f.package in INSTALLED), None)
+    """The flavour of ``kind`` (``TRAINER`` or ``FABRIC``) under test; None if none is installed."""
+    package = next((p for p, f in FLAVOURS.items() if f.kind == kind and p in INSTALLED), None)
     if package is None:
         return None
-    return UnderTest(package, INSTALLED[package], _versions.decide(INSTALLED[package])[0])
+    return UnderTest(package, INSTALLED[package], mode_of(INSTALLED[package]))
 
 
-TRAINER_UNDER_TEST = under_test(_versions.TRAINER)
-FABRIC_UNDER_TEST = under_test(_versions.FABRIC)
+TRAINER_UNDER_TEST = under_test(TRAINER)
+FABRIC_UNDER_TEST = under_test(FABRIC)
 # The Trainer's, which most multi-rank tests run (every environment of the matrix installs one)
 PACKAGE, VERSION, MODE = TRAINER_UNDER_TEST
 NATIVE = TRAINER_UNDER_TEST.native

@@ -1,19 +1,20 @@
 """The skip marks that test modules share, each with the one reason it gives wherever it skips."""
 import os
+from importlib import metadata
 
 import pytest
 
-from lightning_fsdp_resume import _torch_compat as compat
-from lightning_fsdp_resume.testing import cpu_fsdp_supported
-from support.flavours import PATCHABLE_FABRICS, PATCHABLE_TRAINERS
+from support.flavours import PATCHABLE_FABRICS, PATCHABLE_TRAINERS, release
 
-_CPU_FSDP, _NO_CPU_FSDP = cpu_fsdp_supported()
+# Read from torch itself, never from the package under test: a fault there must fail tests, not skip them.
+TORCH = release(metadata.version("torch"))
 # Every test that runs FSDP ranks on the CPU (the multirank ones): gloo cannot serve FSDP before torch 2.2.
-needs_cpu_fsdp = pytest.mark.skipif(not _CPU_FSDP, reason=_NO_CPU_FSDP)
+needs_cpu_fsdp = pytest.mark.skipif(
+    TORCH < (2, 2), reason=f"torch {'.'.join(map(str, TORCH))} cannot run FSDP on CPU: gloo lacks _allgather_base before torch 2.2"
+)
 
 # Where torch is too old, consolidate refuses before it looks at its arguments (test_cli checks that).
-needs_consolidate = pytest.mark.skipif(compat.torch_release() < compat.CONSOLIDATE_MIN,
-                                       reason="consolidate needs torch >= 2.2, which this torch is not")
+needs_consolidate = pytest.mark.skipif(TORCH < (2, 2), reason="consolidate needs torch >= 2.2, which this torch is not")
 
 # The tests of the Trainer's patched strategy itself (its signature, its saves in one process).
 needs_patched_trainer = pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="no Lightning 2.0.x installed: nothing of the Trainer is patched")

@@ -10,8 +10,7 @@ from typing import Dict, NamedTuple, Optional
 
 import pytest
 
-from lightning_fsdp_resume import _versions
-from support.flavours import TRAINER_UNDER_TEST
+from support.flavours import TRAINER_UNDER_TEST, release
 
 STOCK, NATIVE_21, NATIVE_NEWEST, SHIM = "stock 2.0.9", "native 2.1.4", "newest native", "2.0.x + shim"
 COLUMNS = (STOCK, NATIVE_21, NATIVE_NEWEST, SHIM)
@@ -101,10 +100,9 @@ def column(stock: bool = False) -> Optional[str]:
     """The column the Lightning under test fills: ``stock`` for a run with the shim turned off."""
     if TRAINER_UNDER_TEST is None:
         return None
-    release = _versions.parse_release(TRAINER_UNDER_TEST.version)[:2]
     if not TRAINER_UNDER_TEST.native:
         return STOCK if stock else SHIM
-    return NATIVE_21 if release == (2, 1) else NATIVE_NEWEST
+    return NATIVE_21 if release(TRAINER_UNDER_TEST.version) == (2, 1) else NATIVE_NEWEST
 
 
 def expected(workflow: str, stock: bool = False):
