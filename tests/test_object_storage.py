@@ -136,10 +136,13 @@ def test_a_url_checkpoint_reads_without_the_package_and_an_uploaded_directory_re
             assert torch.equal(loaded[name], value), (source, name)
 
 
-def test_an_unknown_protocol_is_refused_by_name_and_nothing_is_written(in_empty_directory):
+def test_an_unknown_protocol_is_refused_by_name_and_nothing_is_written(in_empty_directory, capsys):
     from lightning_fsdp_resume.cli import main
 
     assert main(["consolidate", "nosuchprotocol://bucket/run/last.ckpt", "out.ckpt"]) == 1
+    assert re.search(r"error: Cannot read the checkpoint 'nosuchprotocol://bucket/run/last\.ckpt': its protocol has no"
+                     r" fsspec implementation here \(Protocol not known: nosuchprotocol\)\..* Nothing was written\.",
+                     capsys.readouterr().err)  # and the fixture finds the directory empty
 
 
 def test_a_protocol_whose_fsspec_implementation_is_missing_names_what_to_install(in_empty_directory):
