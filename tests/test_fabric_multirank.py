@@ -151,7 +151,7 @@ def test_root_only_save_load_continue_is_bit_exact(evaluated, tmp_path, state_di
 
 @pytest.mark.parametrize("net", ["buffered", "dropout"])
 @pytest.mark.parametrize("state_dict_type", [
-    pytest.param("sharded", marks=pytest.mark.xfail(NATIVE, strict=True, reason=SCHEDULER_BUG.replace(
+    pytest.param("sharded", marks=pytest.mark.xfail(NATIVE, strict=True, raises=AssertionError, reason=SCHEDULER_BUG.replace(
         "the scheduler", "a stateful object (a RankStates, a scheduler)"))),
     "full",
 ])
