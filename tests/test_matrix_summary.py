@@ -1,0 +1,64 @@
+"""The matrix table that ends a tox run (.ci/matrix_summary.py) fails the matrix wherever coverage was lost without a
+test failing: an environment that did not run (its interpreter missing), and one that passed fewer tests, expected
+fewer failures or skipped more than .ci/expected.json says."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+SUMMARY = ROOT / ".ci" / "matrix_summary.py"
+
+
+@pytest.fixture
+def summary():
+    spec = importlib.util.spec_from_file_location("matrix_summary", SUMMARY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _matrix(tmp_path: Path, envs, expected) -> Path:
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / ".ci" / "expected.json").write_text(json.dumps(expected))
+    setenv = "LIGHTNING_FSDP_RESUME_RESULTS = {toxworkdir}/results/{envname}.json"
+    (tmp_path / "tox.ini").write_text(f"[tox]\nenvlist =\n    {chr(10).join('    ' + e for e in envs).strip()}\n"
+                                      f"[testenv]\nsetenv =\n    {setenv}\n")
+    (tmp_path / "results").mkdir()
+    return tmp_path
+
+
+def _results(matrix: Path, env: str, **counts) -> None:
+    record = {"torch": "2.13.0", "lightning": {"lightning.pytorch": ["2.0.9", "patched"]}, "passed": 10, "skipped": 1,
+              "failed": 0, "error": 0, "deselected": 0, "xfailed": 2, "skip_reasons": {"no GPU": 1},
+              "xfail_reasons": {"native fails it": 2}, **counts}
+    (matrix / "results" / f"{env}.json").write_text(json.dumps(record))
+
+
+def test_a_matrix_that_ran_what_it_expects_passes_and_lists_every_reason(summary, tmp_path, capsys):
+    matrix = _matrix(tmp_path, ["alpha"], {"alpha": {"passed": 10, "skipped": 1, "xfailed": 2}})
+    _results(matrix, "alpha")
+    assert summary(matrix / "results", matrix / "tox.ini") == 0
+    out = capsys.readouterr().out
+    assert "alpha: 1 skipped: no GPU" in out and "alpha: 2 expected to fail: native fails it" in out
+
+
+@pytest.mark.parametrize("counts, shortfall", [
+    ({"passed": 9, "skipped": 2}, "alpha: passed 9 < 10; skipped 2 > 1"),
+    ({"xfailed": 1}, "alpha: xfailed 1 < 2"),
+])
+def test_fewer_tests_run_than_expected_fail_the_matrix_naming_the_environment(summary, tmp_path, capsys, counts, shortfall):
+    matrix = _matrix(tmp_path, ["alpha"], {"alpha": {"passed": 10, "skipped": 1, "xfailed": 2}})
+    _results(matrix, "alpha", **counts)
+    assert summary(matrix / "results", matrix / "tox.ini") == 1
+    assert shortfall in capsys.readouterr().out
+
+
+def test_an_environment_whose_interpreter_is_missing_fails_the_matrix_naming_it(summary, tmp_path, capsys):
+    matrix = _matrix(tmp_path, ["alpha", "py31-alpha"], {"alpha": {"passed": 10}})
+    _results(matrix, "alpha")
+    assert summary(matrix / "results", matrix / "tox.ini") == 1
+    assert any(line.startswith("py31-alpha") and "NOT RUN: no python3.1 on PATH" in line
+               for line in capsys.readouterr().out.splitlines())
+
