@@ -98,21 +98,19 @@ def reposition(loaders: Sequence[Any], saved: Dict[str, Any], create: Callable[[
         elif how == "indices":
             with _skipping_indices(loaders[0], count) as skip:
                 create()
-            skip()
+            left = skip()
+            if left:
+                raise _shorter(saved, count - left)
         else:
             create()
             for done in range(count):
                 try:
                     fetch()
                 except StopIteration:
-                    raise ValueError(
-                        f"The checkpoint was taken after batch {count} of epoch {saved['epoch']}, but the training data"
-                        f" has {done} batches in that epoch now. Resume with the data the run was trained on."
-                    ) from None
+                    raise _shorter(saved, done) from None
     finally:
         _rank_states.set_rng_state(before)
-        # a stateful loader may draw its order when first asked (Lightning's sampler wrapper over torchdata's
-        # RandomSampler): its generators go on from the epoch's start as they did, or as its own state sets them
+        # a stateful loader's own state sets the generators it draws from, maybe only when first asked: left as they are
         if how != "state":
             restore_generators(loaders, saved["generators"])
     seconds = time.perf_counter() - began
@@ -123,6 +121,13 @@ def reposition(loaders: Sequence[Any], saved: Dict[str, Any], create: Callable[[
         log.info("Resumed inside epoch %d after batch %d: %s in %.3f s.", saved["epoch"], count,
                  "restored the loaders' states" if how == "state" else "left out the trained batches' indices", seconds)
     return how
+
+
+def _shorter(saved: Dict[str, Any], found: int) -> ValueError:
+    return ValueError(
+        f"The checkpoint was taken after batch {saved['batches']} of epoch {saved['epoch']}, but the training data has"
+        f" {found} batches in that epoch now. Resume with the data the run was trained on."
+    )
 
 
 def _how(loaders: Sequence[Any], saved: Dict[str, Any]) -> str:
@@ -150,11 +155,12 @@ def _index_sampled(loader: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _skipping_indices(loader: Any, count: int) -> Iterator[Callable[[], None]]:
+def _skipping_indices(loader: Any, count: int) -> Iterator[Callable[[], int]]:
     """Within: every iterator made of the loader's index sampler (its batch sampler, else its sampler) leaves out its
     first ``count`` items, drawn when the first is asked for (a loader with workers asks as its iterator is made).
     Gives ``skip``, which leaves them out of the last one made at once: where the uninterrupted run drew its first
-    index, right after its iterator was made. Iterators made afterwards (persistent workers' next epoch) are plain."""
+    index, right after its iterator was made; it returns how many the sampler did not have. Iterators made
+    afterwards (persistent workers' next epoch) are plain."""
     attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
     original = getattr(loader, attribute)
     skipping = _SkipFirst(original, count)
@@ -183,16 +189,19 @@ class _SkipFirst:
         self.last = _Skipping(iter(self.sampler), self.count)
         return self.last
 
-    def skip(self) -> None:
+    def skip(self) -> int:
         if self.last is None:
             raise RuntimeError("The train dataloader's iterator was not made where the epoch starts: its trained batches"
                                " could not be left out. Call lightning_fsdp_resume.set_mid_epoch_resume('replay').")
-        self.last.skip()
+        return self.last.skip()
+
+
+_END = object()
 
 
 class _Skipping:
     def __init__(self, iterator: Iterator[Any], count: int) -> None:
-        self.iterator, self.left = iterator, count
+        self.iterator, self.left, self.missing = iterator, count, 0
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -201,10 +210,12 @@ class _Skipping:
         self.skip()
         return next(self.iterator)
 
-    def skip(self) -> None:
+    def skip(self) -> int:
+        """Leave out what is left to leave out; how many of them the sampler did not have."""
         while self.left:
             self.left -= 1
-            next(self.iterator, None)
+            self.missing += next(self.iterator, _END) is _END
+        return self.missing
 
 
 def _generator_states(loaders: Sequence[Any]) -> List[Dict[str, Any]]:
