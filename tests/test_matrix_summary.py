@@ -62,3 +62,12 @@ def test_an_environment_whose_interpreter_is_missing_fails_the_matrix_naming_it(
     assert any(line.startswith("py31-alpha") and "NOT RUN: no python3.1 on PATH" in line
                for line in capsys.readouterr().out.splitlines())
 
+
+
+def test_the_expected_counts_name_every_environment_of_the_matrix():
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "tox.ini")
+    reporting = [e for e in config["tox"]["envlist"].split() if e not in ("lint", "summary")]
+    assert sorted(json.loads((ROOT / ".ci" / "expected.json").read_text())) == sorted(reporting)
