@@ -205,6 +205,35 @@ def test_stock_fit_again(reference, tmp_path_factory, workflow, number, start, e
     assert_ranks_identical(ref / "out", f"epoch{end}", out, f"s{number}-epoch{end}")
 
 
+@stock_only
+@pytest.mark.parametrize("wrap", ["policy", "root"])
+@pytest.mark.parametrize("workflow", [pytest.param("save_after_test", marks=expected("save_after_test", stock=True))])
+def test_stock_save_after_test(tmp_path_factory, tmp_path, workflow, wrap):
+    out = _sequence(tmp_path_factory, "evaluate", STOCK, 0, wrap)
+    _step_ok(out, 2)
+    worker(tmp_path, *config(tmp_path, "full", 0, wrap=wrap), "--stock", "--max-epochs", 3,
+           "--ckpt-path", out / "after-test.ckpt", env={DISABLE_ENV: "1"})
+    assert_ranks_identical(out, "s2-saved", tmp_path / "out", "start")
+
+
+@stock_only
+@pytest.mark.parametrize("workflow", [
+    pytest.param("configure_sharded_model_full", marks=expected("configure_sharded_model_full", stock=True)),
+])
+def test_stock_load_from_checkpoint_of_a_model_built_in_the_hook(tmp_path, workflow):
+    """Stock Lightning 2.0.x's own full save, read by its own ``load_from_checkpoint`` (the shim unpatched here)."""
+    import lightning_fsdp_resume
+
+    worker(tmp_path, *config(tmp_path, "full", 0), "--stock", "--net", "built", "--max-epochs", 1,
+           env={DISABLE_ENV: "1"})
+    lightning_fsdp_resume.unpatch()
+    try:
+        model = _trainer_module().BuiltNet.load_from_checkpoint(tmp_path / "ckpt" / "epoch=0.ckpt")
+    finally:
+        lightning_fsdp_resume.patch()
+    assert_identical(load(tmp_path / "out" / "full_final.pt")["params"], _weights_of(model), "weights")
+
+
 # --- a sharded checkpoint read whole, in one process, without FSDP ----------------------------------------------
 
 

@@ -1,6 +1,8 @@
 """The skip marks that test modules share, each with the one reason it gives wherever it skips."""
 import os
+import re
 from importlib import metadata
+from typing import Callable, Type
 
 import pytest
 
@@ -29,6 +31,23 @@ long_runs = pytest.mark.skipif(
     os.environ.get(LONG_RUNS_ENV) != "1",
     reason=f"several torchrun launches of its own: runs where {LONG_RUNS_ENV}=1 (tox: lightning209-torch213)",
 )
+
+
+class _Accepting(type):
+    def __instancecheck__(cls, error) -> bool:
+        return bool(cls.accepts(error))
+
+
+def failing_as(name: str, accepts: Callable[[BaseException], bool]) -> Type[Exception]:
+    """For ``xfail(raises=...)``: a class whose instances are the errors ``accepts`` takes. An expected failure then
+    fails the test when it fails for another reason (a crashed rank, a harness error, another message)."""
+    return _Accepting(name, (Exception,), {"accepts": staticmethod(accepts)})
+
+
+def raising(exception: Type[BaseException], pattern: str) -> Type[Exception]:
+    """For ``xfail(raises=...)``: an ``exception`` whose message matches ``pattern`` (``re.search``)."""
+    return failing_as(f"{exception.__name__} matching {pattern!r}",
+                      lambda error: isinstance(error, exception) and re.search(pattern, str(error)) is not None)
 
 
 def skip_as(*marks) -> None:

@@ -84,6 +84,10 @@ def differences(expected: Any, actual: Any, where: str = "") -> List[str]:
     return [] if expected == actual else [f"{where}: {expected!r} != {actual!r}"]
 
 
+# What a failed comparison says (assert_identical), for expected failures that must be one
+DIFFER = r" differ in \d+ places, first: "
+
+
 def assert_identical(expected: Any, actual: Any, what: str) -> None:
     found = differences(expected, actual)
     assert not found, f"{what} differ in {len(found)} places, first: {found[:3]}"
