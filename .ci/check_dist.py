@@ -22,7 +22,7 @@ from typing import List
 # the source tree this script belongs to: what the sdist must carry is read from it
 ROOT = Path(__file__).resolve().parents[1]
 # named by MANIFEST.in or setuptools' defaults; tests/conftest.py is the file setuptools' defaults leave out
-SDIST_FILES = ("README.md", "LICENSE", "CONTRIBUTING.md", "tox.ini", "setup.cfg", "pyproject.toml", "tests/conftest.py")
+SDIST_FILES = ("README.md", "LICENSE", "CONTRIBUTING.md", "tox.ini", "toxfile.py", "setup.cfg", "pyproject.toml", "tests/conftest.py")
 # grafted whole by MANIFEST.in (tests/ with support/): each must reach the sdist with every file it has here
 SDIST_TREES = ("docs", "tests", "tests/support", "benchmarks", ".ci")
 # where the README's relative links point (docs/, CONTRIBUTING.md) and where to report a problem

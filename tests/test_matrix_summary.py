@@ -1,8 +1,11 @@
 """The matrix table that ends a tox run (.ci/matrix_summary.py) fails the matrix wherever coverage was lost without a
 test failing: an environment that did not run (its interpreter missing), and one that passed fewer tests, expected
-fewer failures or skipped more than .ci/expected.json says."""
+fewer failures or skipped more than .ci/expected.json says; and the tox plugin (toxfile.py) finds pyenv's interpreters
+where PATH lacks them."""
 import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,22 @@ def test_the_expected_counts_name_every_environment_of_the_matrix():
     config.read(ROOT / "tox.ini")
     reporting = [e for e in config["tox"]["envlist"].split() if e not in ("lint", "summary")]
     assert sorted(json.loads((ROOT / ".ci" / "expected.json").read_text())) == sorted(reporting)
+
+
+def test_the_tox_plugin_appends_pyenvs_interpreter_that_path_lacks(tmp_path, monkeypatch):
+    """toxfile.py: a ``python3.N`` not on PATH is found in pyenv's versions, its folder appended after the rest."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import toxfile
+    finally:
+        sys.path.remove(str(ROOT))
+    for version in ("3.97.2", "3.97.10", "3.98.0"):
+        bin_dir = tmp_path / "pyenv" / "versions" / version / "bin"
+        bin_dir.mkdir(parents=True)
+        executable = bin_dir / f"python{version.rsplit('.', 1)[0]}"
+        executable.write_text("#!/bin/sh\nexit 0\n")
+        executable.chmod(0o755)
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "pyenv"))
+    path = toxfile.interpreter_path("/usr/bin:/bin", ["3.97", "3.96"])
+    assert path == os.pathsep.join(["/usr/bin:/bin", str(tmp_path / "pyenv" / "versions" / "3.97.10" / "bin")])
+    assert toxfile.interpreter_path(path, ["3.97"]) == path  # found on PATH now: nothing appended
