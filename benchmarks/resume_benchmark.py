@@ -71,6 +71,34 @@ CHECKSUM_COST_LIMIT = 0.03
 VERIFY_RAW_RATIO_LIMIT = 1.2
 
 
+def targets_markdown(allowance_mb: float = 64) -> str:
+    """Every target the benchmark checks, with its limit, from the constants above: docs/benchmark.md's "The targets"
+    is this table (tests/test_docs.py), so a quoted target cannot drift from the one measured."""
+    run, sizes = "every run", "each `--scaling` size"
+    run_and_sizes, large = f"{run} and {sizes}", f"{run}, from {RAW_TARGET_MIN_STATE / 1e9:g} GB of state"
+    above = f"{large}; {sizes} from there"
+    rows = [
+        ("sharded resume: each rank's peak growth", f"≤ full state / {RANKS} + {allowance_mb:g} MB", run),
+        ("full save: peak growth of every rank but 0", f"≤ full state / {RANKS} + {allowance_mb:g} MB", run),
+        ("sharded and full resume time / native's", f"≤ {RESUME_TIME_RATIO_LIMIT:g}", run),
+        ("full resume peak growth / native's (worst rank)", f"≤ {FULL_RESUME_MEMORY_RATIO_LIMIT:g}", run),
+        ("sharded save time / native's", f"≤ {NATIVE_TIME_RATIO_LIMIT['save']:g}", run_and_sizes),
+        ("sharded resume time / native's", f"≤ {NATIVE_TIME_RATIO_LIMIT['resume']:g}", sizes),
+        ("sharded save and resume peak growth / native's", "≤ 1", sizes),
+        ("sharded save time / raw write + fsync of the same bytes", f"≤ {RAW_TIME_RATIO_LIMIT['save']:g}", above),
+        ("sharded resume time / raw cold read of the same bytes", f"≤ {RAW_TIME_RATIO_LIMIT['resume']:g}", above),
+        (f"{ASYNC}: training blocked / synchronous sharded save time, the first save and a later one",
+         f"≤ {ASYNC_STALL_RATIO_LIMIT:g}", run_and_sizes),
+        ("sharded save: each rank's peak growth", f"≤ {SYNC_GROWTH_SHARDS:g} × its shard + {allowance_mb:g} MB", run_and_sizes),
+        (f"{ASYNC}: each rank's peak growth", f"≤ {ASYNC_GROWTH_SHARDS:g} × its shard + {allowance_mb:g} MB", run_and_sizes),
+        ("checksums: time added to a sharded save, a sharded resume, a full resume", f"≤ {CHECKSUM_COST_LIMIT:.0%}", large),
+        ("checksums: `verify` time / cold read of the same bytes", f"≤ {VERIFY_RAW_RATIO_LIMIT:g}", large),
+        ("`import lightning_fsdp_resume` after `import wrapt`", f"< {IMPORT_LIMIT_S * 1e3:g} ms added", run),
+        ("`import lightning_fsdp_resume` imports torch or Lightning", "never", run),
+    ]
+    return table(["target", "limit", "checked"], rows)
+
+
 def _env() -> Dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -2,6 +2,7 @@
 README opens with the commands CI runs, and every relative link leads to a file and heading that exist."""
 import configparser
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,17 @@ def test_the_readme_workflow_table_is_the_one_the_workflow_tests_check():
     from support.workflows import markdown
 
     assert markdown() in (ROOT / "README.md").read_text()
+
+
+def test_the_benchmark_documents_quote_the_targets_the_benchmarks_check():
+    """docs/benchmark.md's table of targets is the one the benchmark prints from its constants; the data position's
+    target is quoted from its benchmark's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import data_position
+        import resume_benchmark
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    text = (ROOT / "docs" / "benchmark.md").read_text()
+    assert resume_benchmark.targets_markdown() in text
+    assert f"Target: leaving out by index costs at most {data_position.TARGET:.0%}".replace("%", " %") in text
