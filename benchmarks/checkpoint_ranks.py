@@ -137,11 +137,11 @@ def without_checksums() -> None:
     """The shim as it would be without checksums: saves hash nothing and write no manifest, reads check nothing (the
     benchmark's baseline for their cost; the package itself has no such switch)."""
     from lightning_fsdp_resume import _checksums
-    from lightning_fsdp_resume._storage import _location
+    from lightning_fsdp_resume._storage import _checked
 
-    _location._summing = lambda writer, location: writer
-    _location.Location.sums = lambda self: None
-    _location.Location.seal = lambda self, ranges: None
+    _checked._summing = lambda storage, location: storage
+    _checked.sums = lambda location: None
+    _checked.seal = lambda location, ranges: None
     _checksums.check_torch_file = lambda source, name: None
     _checksums.check_zip = lambda source, name: None
 

@@ -563,9 +563,9 @@ from pathlib import Path
 import torch.distributed.checkpoint
 from peak_rss import PeakRss
 from lightning_fsdp_resume import _consolidate, _sharded_reader, _verify
-from lightning_fsdp_resume._storage import open_path
+from lightning_fsdp_resume._storage import checked, open_path
 src, dst, options = open_path(sys.argv[1], "read"), Path(sys.argv[2]), json.loads(sys.argv[3])
-index = src.read_index()
+index = checked.index(src)
 sizes = {key: entry.size.numel() * entry.properties.dtype.itemsize
          for key, entry in index.state_dict_metadata.items() if hasattr(entry, "properties")}
 selected = _sharded_reader.select_weights(src, index, _verify.read_meta(src), None)

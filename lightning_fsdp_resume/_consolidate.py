@@ -13,7 +13,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from . import _format, _safetensors, _sharded_reader, _storage, _verify
-from ._storage import Location
+from ._storage import Location, checked
 
 # Output formats: torch's checkpoint file (what a full save writes), or a safetensors file of the weights.
 TORCH, SAFETENSORS = "torch", "safetensors"
@@ -65,7 +65,7 @@ def consolidate(
 
 def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> Tuple[Dict[str, Any], _sharded_reader.Summary]:
     """The weights-only checkpoint of ``src``, reading the model's tensors alone."""
-    metadata = src.read_index()
+    metadata = checked.index(src)
     meta = _verify.read_meta(src)
     selected = _sharded_reader.select_weights(src, metadata, meta, module)
     flat, tensor_bytes = _sharded_reader.read_flat(src, metadata, progress, [key for keys in selected.keys.values() for key in keys])
@@ -103,7 +103,7 @@ def _cast(value: Any, dtype: Any) -> Any:
 def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> _sharded_reader.Summary:
     """One module's weights as a safetensors file: the header from the shard index, then each tensor read
     from the shards, cast and written before the next is read."""
-    metadata = src.read_index()
+    metadata = checked.index(src)
     meta = _verify.read_meta(src)
     selected = _sharded_reader.select_weights(src, metadata, meta, module)
     if len(selected.keys) > 1:
@@ -238,7 +238,7 @@ def _check_destination(src: Location, dst: Location, overwrite: bool) -> None:
 
 def write_atomically(checkpoint: Dict[str, Any], dst: Location) -> None:
     """``torch.save`` into a hidden sibling of ``dst``, flushed to the disk, then renamed over ``dst``."""
-    _write_atomically(dst, lambda partial: partial.save(checkpoint))
+    _write_atomically(dst, lambda partial: checked.save_file(partial, checkpoint))
 
 
 def _write_atomically(dst: Location, write: Callable[[Location], Any]) -> None:

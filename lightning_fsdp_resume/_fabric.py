@@ -69,11 +69,8 @@ def save_checkpoint(
         # Rank 0 alone holds the gathered entries; only it writes.
         _saving.write_full(self, path, {**stored, **metadata}, _saving.save_torch_file, background)
     else:
-        if module_key in stored:
-            stored[module_key] = _saving.with_rank_zeros_buffers(self, stored[module_key])
         optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
-        live = _saving.training_tensors(module, optimizers) if background else ()
-        _saving.write_sharded(self, path, stored, metadata, background, live)
+        _saving.write_sharded(self, path, stored, metadata, background, module, optimizers, module_key)
 
 
 def load_checkpoint(

@@ -3,9 +3,10 @@ sharded one's manifest; a full file's zip CRC-32s), with no model and no process
 nothing is written.
 """
 import time
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
-from . import _checksums, _format, _sharded_reader, _storage
+from . import _format, _sharded_reader, _storage
+from ._storage import checked
 from ._verify import MissingCheckpointError, listed_size, not_a_checkpoint
 
 
@@ -30,13 +31,10 @@ def verify(target: str, progress: bool = True) -> Verified:
     if entry is None:
         raise MissingCheckpointError(f"{not_a_checkpoint(path)}: it does not exist.{path.missing()}")
     if not entry.is_dir:
-        with path.open("rb") as handle:
-            if not _checksums.is_zip(handle.read(4)):
-                raise UncheckableError(f"The checkpoint {str(path)!r} is not in torch's zip format: it carries no checksums.")
-            handle.seek(0)
-            _checksums.check_zip(handle, str(path))
+        if not checked.verify_file(path):
+            raise UncheckableError(f"The checkpoint {str(path)!r} is not in torch's zip format: it carries no checksums.")
         return Verified(1, entry.size, time.perf_counter() - started)
-    sums = path.sums()
+    sums = checked.sums(path)
     if sums is None:
         raise UncheckableError(
             f"The checkpoint {str(path)!r} carries no checksums (no {_format.CHECKSUMS_FILENAME!r}: native Lightning's"
@@ -48,26 +46,7 @@ def verify(target: str, progress: bool = True) -> Verified:
     try:
         for relative, file_sums in sorted(sums.items()):
             file_sums.check_size(listed_size(path, files, relative))
-            with (path / relative).open("rb") as handle:
-                _checksums.check_file(_reader_into(handle), file_sums, bar.advance)
+            checked.verify_member(path, relative, file_sums, bar.advance)
     finally:
         bar.close()
     return Verified(len(sums), total, time.perf_counter() - started)
-
-
-def _reader_into(handle: Any) -> Callable[[int, int], memoryview]:
-    """``read(start, end)`` of ``handle`` into one buffer, reused: a check reads each byte once, with no new memory."""
-    buffer = bytearray(_checksums.CHUNK)
-
-    def read(start: int, end: int) -> memoryview:
-        handle.seek(start)
-        view = memoryview(buffer)[: end - start]
-        filled = 0
-        while filled < len(view):
-            count = handle.readinto(view[filled:])
-            if not count:
-                break
-            filled += count
-        return view[:filled]
-
-    return read

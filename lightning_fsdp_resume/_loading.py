@@ -5,7 +5,7 @@ straight into their shards, from a sharded directory or a full file.
 What differs between the callers is a ``Request`` each makes: which checkpoint entries hold the module and the
 optimizers, the module's name prefix, strictness, what else rank 0 checks. Each rank reads the checkpoint through
 one location, so each file once. Where torch >= 2.2 allows, weights and optimizer states go straight into the
-shards (``_shard_layout``, handed the location's reader); elsewhere through torch's loaders (``_torch_compat``).
+shards (``_shard_layout``, handed the location's checked reader); elsewhere through torch's loaders (``_torch_compat``).
 Nothing here knows about patching or about the Trainer or Fabric.
 """
 import contextlib
@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Set
 from . import _background, _format, _shard_layout, _storage, _verify
 from . import _torch_compat as compat
 from ._ranks import broadcast, decided_on_rank_zero, raise_found_on_any_rank, warn_rank_zero
-from ._storage import Location
+from ._storage import Location, checked
 
 # The ``weights_only`` given to the Trainer call or ``load_from_checkpoint`` in progress (Lightning 2.6's keyword), for
 # the loads Lightning 2.0.x makes inside it without a parameter to pass it by. None: not given.
@@ -93,12 +93,12 @@ def load(strategy: Any, path: Any, request: Request) -> Dict[str, Any]:
     _background.wait(strategy)  # a save still writing: it may be the very checkpoint asked for
     target = broadcast(strategy, str(path))
     # rank 0 follows a URL's pointer once: every rank reads that data, even if a save commits another meanwhile
-    checked: Dict[str, Location] = {}
-    resolved, kind, verdict = decided_on_rank_zero(strategy, _resolved_and_checked, target, request, checked)
+    opened: Dict[str, Location] = {}
+    resolved, kind, verdict = decided_on_rank_zero(strategy, _resolved_and_checked, target, request, opened)
     # rank 0 reads through the location it checked, whose index it has read already
-    path = checked.get(resolved) or _storage.open_path(resolved, "load", request.trusted)
+    path = opened.get(resolved) or _storage.open_path(resolved, "load", request.trusted)
     if kind == _format.SHARDED:
-        shards = path.read_index()
+        shards = checked.index(path)
         restore = request.plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
         _shard_layout.drop_gathered_copies(restore.module)
         load_sharded(path, restore, shards)
@@ -130,10 +130,10 @@ def _check_in_place(path: Location, module: Any) -> None:
     raise_found_on_any_rank(found)
 
 
-def _resolved_and_checked(target: str, request: Request, checked: Dict[str, Location]) -> Tuple[str, _format.StateDictType, Any]:
+def _resolved_and_checked(target: str, request: Request, opened: Dict[str, Location]) -> Tuple[str, _format.StateDictType, Any]:
     path = _storage.open_path(target, "load", request.trusted).resolve()
     kind, verdict = request.check(path)
-    checked[str(path)] = path
+    opened[str(path)] = path
     return str(path), kind, verdict
 
 
@@ -145,13 +145,13 @@ def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
     if shapes is not None:
         # Read each rank's elements straight into its flat parameters: no state-dict template.
         keys = _loadable_keys(path, restore, _format.strip_prefix(shapes, prefix), stored)
-        _shard_layout.read_model_into_shards(module, path.dcp_reader(), {prefix + name: f"{key}.{name}" for name in keys})
+        _shard_layout.read_model_into_shards(module, checked.reader(path), {prefix + name: f"{key}.{name}" for name in keys})
         model_state: Dict[str, Any] = {}  # the torch < 2.5 optimizer loader makes it where it needs it
     else:
         model_state = _format.strip_prefix(compat.model_state_dict(module, full=False, offload=False), prefix)
         keys = _loadable_keys(path, restore, _verify.tensor_shapes(model_state), stored)
         container = {key: {name: value for name, value in model_state.items() if name in keys}}
-        compat.load_distributed(container, path.dcp_reader())
+        compat.load_distributed(container, checked.reader(path))
         model_state = container[key]
         compat.load_model_state_dict(module, _format.add_prefix(model_state, prefix), full=False, strict=restore.strict)
     for optimizer_key, optimizer in restore.optimizers.items():
@@ -161,7 +161,7 @@ def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
         wanted = other.state_dict()
         keys = _other_module_keys(path, restore, wanted, _verify.stored_model_shapes(shards, other_key))
         container = {other_key: {name: value for name, value in wanted.items() if name in keys}}
-        compat.load_distributed(container, path.dcp_reader())
+        compat.load_distributed(container, checked.reader(path))
         other.load_state_dict(container[other_key], strict=restore.strict)
 
 
@@ -270,7 +270,7 @@ def load_sharded_optimizer_state(
     """Load optimizer ``key`` of a sharded checkpoint into this rank's shards.
 
     ``model_state`` is the model's sharded state as stored (names without the wrapper prefix), ``shards``
-    the checkpoint's index (``Location.read_index``); ``prefix`` is what the model's parameter names have
+    the checkpoint's index (``checked.index``); ``prefix`` is what the model's parameter names have
     before the names the checkpoint stores.
     """
     found = _shard_layout.layout(model, optimizer) if compat.through_flat_shards() else None
@@ -278,7 +278,7 @@ def load_sharded_optimizer_state(
         # torch's templates (below) initialise the optimizer state and re-chunk it per parameter, gathering (about
         # 2.6 times the shard on torch 2.13). This reads into the state's final layout instead.
         stored = functools.partial(_format.strip_name, prefix=prefix)
-        source = _shard_layout.CheckpointSource(path.dcp_reader(), key, shards, found.shapes, stored)
+        source = _shard_layout.CheckpointSource(checked.reader(path), key, shards, found.shapes, stored)
         if source.readable():
             _shard_layout.load_into_shards(optimizer, found, source, _saved_param_groups(path, key, shards))
             return
@@ -290,7 +290,7 @@ def load_sharded_optimizer_state(
         # changed (the template then flattens the groups differently from the saved keys).
         template = _format.strip_optimizer_prefix(compat.optimizer_state_dict(model, optimizer, full=False, offload=False), prefix)
         container = {key: {"state": template["state"]}}
-        compat.load_distributed(container, path.dcp_reader())
+        compat.load_distributed(container, checked.reader(path))
         for group, saved in zip(template["param_groups"], _saved_param_groups(path, key, shards)):
             group.update(saved)
         state = {**container[key], "param_groups": template["param_groups"]}
@@ -300,7 +300,7 @@ def load_sharded_optimizer_state(
         if not model_state:  # the weights were read straight into the shards: its template is the model's layout
             model_state = _format.strip_prefix(compat.model_state_dict(model, full=False, offload=False), prefix)
         loaded = load_sharded_optimizer_state_dict(
-            model_state_dict=model_state, optimizer_key=key, storage_reader=path.dcp_reader()
+            model_state_dict=model_state, optimizer_key=key, storage_reader=checked.reader(path)
         )
         state = loaded[key]
     compat.load_optimizer_state_dict(model, optimizer, _format.add_optimizer_prefix(state, prefix), full=False)
@@ -315,7 +315,7 @@ def _saved_param_groups(path: Location, key: str, index: Any) -> list:
         if entry.fqn == whole or field:
             fields.append(((int(field.group(1)), field.group(2)) if field else None, info))
     groups: Dict[int, Dict[str, Any]] = {}
-    for (where, _), value in zip(fields, path.load_items([info for _, info in fields])):  # one request a file, at a URL
+    for (where, _), value in zip(fields, checked.load_items(path, [info for _, info in fields])):  # one request a file, at a URL
         if where is None:  # the groups saved as one entry
             return list(value)
         groups.setdefault(where[0], {})[where[1]] = value

@@ -12,7 +12,7 @@ import random
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import _format
+from . import _format, _unpickling
 from . import _torch_compat as compat
 from ._ranks import agree
 
@@ -77,7 +77,7 @@ def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
     dist.gather_object(pickle.dumps(mine), everyone, dst=0)
     if everyone is None:
         return None
-    states = [pickle.loads(blob) for blob in everyone]
+    states = [_unpickling.loads(blob, "the gathered rank states", trusted=True) for blob in everyone]  # this run's
     reference = states[0]["buffers"]
     for state in states[1:]:  # rank 0's are all kept: a strategy may store any rank's copy in the model's entry
         state["buffers"] = {

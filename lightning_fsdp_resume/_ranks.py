@@ -9,6 +9,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 from . import _torch_compat as compat
+from . import _unpickling
 
 
 def decided_on_rank_zero(strategy: Any, check: Callable[..., Any], *args: Any) -> Any:
@@ -81,7 +82,7 @@ def describe(error: BaseException) -> str:
         error = failure[0] if isinstance(failure, tuple) else failure
         where = f" (on rank {rank})"
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}{where}"
+    return f"{type(error).__name__}{': ' + lines[0] if lines else ''}{where}"
 
 
 def _portable(error: Optional[BaseException]) -> Optional[BaseException]:
@@ -89,7 +90,7 @@ def _portable(error: Optional[BaseException]) -> Optional[BaseException]:
     if error is None:
         return None
     try:
-        pickle.loads(pickle.dumps(error))
+        _unpickling.loads(pickle.dumps(error), "an error", trusted=True)
     except Exception:
         return RuntimeError(describe(error))
     return error

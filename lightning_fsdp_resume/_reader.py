@@ -12,9 +12,9 @@ where torch.hub keeps it, any other path or URL through its store.
 import functools
 from typing import Any, Callable, Dict, Optional
 
-from . import _checksums, _format, _loading, _sharded_reader, _signature, _storage, _unpickling, _verify
+from . import _format, _loading, _sharded_reader, _signature, _storage, _verify
 from ._patcher import Patcher, Wrap
-from ._storage import Location
+from ._storage import Location, checked
 
 
 def wrap_load(original_load: Callable) -> Callable:
@@ -26,17 +26,15 @@ def wrap_load(original_load: Callable) -> Callable:
     def _load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
         trusted = _loading.trusted(weights_only)
         if hasattr(path_or_url, "read"):  # a file object
-            if path_or_url.seekable():
-                _checksums.check_torch_file(path_or_url, "the file object given")
-            return _unpickling.torch_load(path_or_url, trusted=trusted, name="the file object given", map_location=map_location)
+            given = "the file object given"
+            return checked.load_stream(path_or_url, given, given, trusted, map_location)
         if str(path_or_url).startswith("http"):
-            downloaded = _downloaded(str(path_or_url))
-            _checksums.check_torch_file(downloaded, str(path_or_url))
-            return _unpickling.torch_load(downloaded, trusted=trusted, name=repr(str(path_or_url)), map_location=map_location)
+            url = str(path_or_url)
+            return checked.load_stream(_downloaded(url), url, repr(url), trusted, map_location)
         source = _storage.open_path(path_or_url, "load", trusted).resolve()
         if source.is_dir():
             return read_whole(source, map_location)
-        return source.load(map_location=map_location)
+        return checked.load_file(source, map_location=map_location)
 
     _load.__signature__ = _signature.with_keyword(original_load, "weights_only", None, Optional[bool])  # type: ignore[attr-defined]
     return _load

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 from . import _background, _format, _shard_layout, _shard_views, _storage
 from . import _torch_compat as compat
 from ._ranks import barrier, broadcast, decided_on_rank_zero, warn_rank_zero
-from ._storage import Location
+from ._storage import Location, checked
 
 
 def is_full(strategy: Any) -> bool:
@@ -48,19 +48,13 @@ def in_background(strategy: Any, asked: bool) -> bool:
         return False
     if compat.saves_in_background() and compat.distributed():
         return True
-    release = ".".join(map(str, compat.torch_release()))
     warn_rank_zero(
         strategy,
         f"lightning_fsdp_resume: FSDP checkpoints are saved in the foreground: saving them in the background needs"
-        f" torch >= 2.3 (torch.distributed.checkpoint.async_save) and a process group; this is torch {release}"
+        f" torch >= 2.3 (torch.distributed.checkpoint.async_save) and a process group; this is torch {compat.release_text()}"
         f"{'' if compat.distributed() else ', without a process group'}.",
     )
     return False
-
-
-# Sharded saves build their state dicts from each rank's flat shards (``_shard_views``) where they can; False: always
-# with FSDP's builder, which gathers (the tests and the benchmark compare the two).
-FROM_SHARDS = True
 
 
 def model_state(module: Any, full: bool, offload: bool) -> Dict[str, Any]:
@@ -80,7 +74,7 @@ def _built(from_shards: Callable[..., Dict[str, Any]], args: Tuple[Any, ...], fs
     """``from_shards(*args)`` where every rank can build it (torch >= 2.2, a layout ``_shard_views`` knows), else
     ``fsdps()``: FSDP's builder, which gathers every flat parameter. The views stay where the shards are: torch's
     writer moves each item to the host as it writes it."""
-    if not FROM_SHARDS or not compat.through_flat_shards():
+    if not compat.through_flat_shards():
         return fsdps()
     try:
         return _shard_views.agreed(from_shards, *args)
@@ -112,31 +106,35 @@ def with_rank_zeros_buffers(strategy: Any, model_state: Dict[str, Any]) -> Dict[
     return {name: value for name, value in model_state.items() if compat.is_shard(value)}
 
 
-def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any], background: bool = False,
-                  live: Iterable[Any] = ()) -> None:
+def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any], background: bool,
+                  module: Any, optimizers: Iterable[Any], model_key: str = _format.MODEL_KEY) -> None:
     """Every rank writes its shards of ``stored`` and rank 0 ``metadata`` (``meta.pt``) into a hidden partial
-    sibling; rank 0 puts it at ``filepath`` once every rank has finished.
+    sibling; rank 0 puts it at ``filepath`` once every rank has finished. The buffers of the model's entry
+    (``model_key``) are rank 0's (``with_rank_zeros_buffers``): the Trainer and Fabric save alike.
 
     Native 2.1.4 writes in place: a crash mid-save leaves a mix of old and new shards that loads. Here the
     previous checkpoint at ``filepath`` stays intact until the new one is complete: on a local disk the partial
     directory is renamed into place, at a URL its pointer is written (``_storage``).
 
     ``background``: return once the state is in host memory, where training cannot change it: the entries of
-    ``stored`` that share the storage of a ``live`` tensor (the module's and optimizers', which training changes)
-    are copied, ``metadata`` all; torch's ``async_save`` writes the shards, and rank 0 publishes once every rank's are
+    ``stored`` that share the storage of a tensor training changes (``module``'s and ``optimizers``',
+    ``training_tensors``) are copied, ``metadata`` all; torch's ``async_save`` writes the shards, and rank 0 publishes once every rank's are
     written (``_background``).
     """
     _background.wait(strategy)
+    if model_key in stored:
+        stored[model_key] = with_rank_zeros_buffers(strategy, stored[model_key])
     path, partial = _destination(strategy, filepath, full=False)
     if background:
         staged = _background.staging(strategy)
-        stored, metadata = _background.host_copy(stored, _background.Live(live), staged), _background.host_copy(metadata)
+        live = _background.Live(training_tensors(module, optimizers))
+        stored, metadata = _background.host_copy(stored, live, staged), _background.host_copy(metadata)
         written = _started(lambda: _start_shards(partial, stored, _background.process_group(strategy)))
         _background.start(strategy, path, written.result, functools.partial(_publish_sharded, partial, path, metadata))
         return
     with path.reported():
         partial.mkdir()
-        compat.save_distributed(stored, partial.dcp_writer())
+        compat.save_distributed(stored, checked.writer(partial))
         barrier(strategy)  # every rank's shards are written
         # rank 0 finishes; the others wait for it and raise its error (a store that refused meta.pt, say) with it
         decided_on_rank_zero(strategy, _publish_sharded, partial, path, metadata)
@@ -144,7 +142,7 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
 
 def _start_shards(partial: Location, stored: Dict[str, Any], group: Any) -> Future:
     partial.mkdir()
-    return compat.save_distributed_in_background(stored, partial.dcp_writer(), group)
+    return compat.save_distributed_in_background(stored, checked.writer(partial), group)
 
 
 def _started(start: Callable[[], Future]) -> Future:
@@ -159,7 +157,7 @@ def _started(start: Callable[[], Future]) -> Future:
 
 def _publish_sharded(partial: Location, path: Location, metadata: Dict[str, Any]) -> None:
     meta = _format.METADATA_FILENAME
-    partial.seal({meta: (partial / meta).save(metadata)})  # the checksums of every file, written last
+    checked.seal(partial, {meta: checked.save_file(partial / meta, metadata)})  # the checksums of every file, written last
     path.publish(partial)
     path.remove_leftovers()
 
@@ -192,7 +190,7 @@ def _publish_full(path: Location, partial: Location, write: Callable[[Location],
 
 def save_torch_file(state: Dict[str, Any], path: Location) -> None:
     """A full checkpoint's ``write``: ``torch.save`` of ``state``, durable before it is published."""
-    path.save(state)
+    checked.save_file(path, state)
 
 
 def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Location, Location]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from . import _format, _verify
 from . import _torch_compat as compat
-from ._storage import Location
+from ._storage import Location, checked
 
 
 class Summary(NamedTuple):
@@ -31,7 +31,7 @@ class Summary(NamedTuple):
 
 def read_full_checkpoint(src: Location, progress: bool = False) -> Tuple[Dict[str, Any], Summary]:
     """The full checkpoint held by the sharded directory ``src``, in its writer's full format, and what it holds."""
-    metadata = src.read_index()
+    metadata = checked.index(src)
     flat, tensor_bytes = read_flat(src, metadata, progress)
     stored = nest(flat, metadata, src)
     meta = _verify.read_meta(src)
@@ -151,7 +151,7 @@ def read_flat(src: Location, metadata: Any, progress: bool, keys: Optional[Seque
     bar = Progress(total, f"reading {str(src)!r}", enabled=progress)
     planner = _planner(objects, bar.advance)
     try:
-        compat.read_distributed_in_one_process({**tensors, **objects}, src.dcp_reader(), planner)
+        compat.read_distributed_in_one_process({**tensors, **objects}, checked.reader(src), planner)
     finally:
         bar.close()
     return {**tensors, **objects}, total
@@ -159,14 +159,12 @@ def read_flat(src: Location, metadata: Any, progress: bool, keys: Optional[Seque
 
 def _planner(objects: Dict[str, Any], advance: Callable[[int], None]) -> Any:
     """A load planner for a flat state dict: pickled objects land in ``objects``, tensors report progress."""
-    import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class FlatLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
-            # Kept apart: dcp.load writes its own copy of the state dict's values back at the end. The location's
-            # reader unpickled these bytes restricted before handing them here, unless the location is trusted.
-            objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+            # Kept apart: dcp.load writes its own copy of the state dict's values back at the end
+            objects[read_item.dest_index.fqn] = checked.load_entry(value)
 
         def commit_tensor(self, read_item: Any, tensor: Any) -> None:
             advance(tensor.numel() * tensor.element_size())
@@ -230,17 +228,16 @@ def read_tensor(src: Location, key: str, stored: Any, advance: Callable[[int], N
 
     tensor = torch.empty(stored.size, dtype=stored.properties.dtype)
     if tensor.numel():
-        compat.read_distributed_in_one_process({key: tensor}, src.dcp_reader(), _planner({}, advance))
+        compat.read_distributed_in_one_process({key: tensor}, checked.reader(src), _planner({}, advance))
     return tensor
 
 
 def check_torch() -> None:
-    release = compat.torch_release()
-    if release < compat.CONSOLIDATE_MIN:
+    if not compat.consolidate_supported():
         needed = ".".join(map(str, compat.CONSOLIDATE_MIN))
         raise NotImplementedError(
             f"Consolidating a sharded checkpoint needs torch >= {needed}; this is torch"
-            f" {'.'.join(map(str, release))}. Install torch>={needed} in any environment (the training one is not"
+            f" {compat.release_text()}. Install torch>={needed} in any environment (the training one is not"
             " needed) and run the command there."
         )
 

@@ -128,9 +128,7 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
         _saving.write_full(self, filepath, checkpoint, write, background)
         return
     stored = _stored(checkpoint, keep_optimizer_states=False)
-    stored[_format.MODEL_KEY] = _saving.with_rank_zeros_buffers(self, stored[_format.MODEL_KEY])
-    live = _saving.training_tensors(self.model, self.optimizers) if background else ()
-    _saving.write_sharded(self, filepath, stored, checkpoint, background, live)
+    _saving.write_sharded(self, filepath, stored, checkpoint, background, self.model, self.optimizers)
 
 
 def _asks_for_background(self: Any) -> bool:

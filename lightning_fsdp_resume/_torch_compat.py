@@ -35,6 +35,8 @@ CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE = (2, 2)
 _FLAT_SHARD_IO = CPU_FSDP_MIN
 # torch 2.3 adds dcp.async_save: a sharded save written in a background thread.
 ASYNC_SAVE = (2, 3)
+# torch 2.4 adds torch.serialization.add_safe_globals / get_safe_globals: its own allowlist of pickled names.
+_SAFE_GLOBALS = (2, 4)
 
 
 def torch_release() -> Tuple[int, ...]:
@@ -43,6 +45,11 @@ def torch_release() -> Tuple[int, ...]:
     from ._versions import parse_release
 
     return parse_release(torch.__version__)
+
+
+def release_text() -> str:
+    """This torch's release, as messages name it ("2.4.1")."""
+    return ".".join(map(str, torch_release()))
 
 
 def supports_sharded_checkpoints() -> bool:
@@ -205,7 +212,7 @@ def _fsspec_storage(name: str, url: str) -> Any:
     except ImportError as error:
         raise RuntimeError(
             f"Sharded checkpoints at URLs ({url!r}) need torch.distributed.checkpoint's fsspec storage, which"
-            f" torch {'.'.join(map(str, torch_release()))} does not have (torch 2.1 adds it). Upgrade torch, save"
+            f" torch {release_text()} does not have (torch 2.1 adds it). Upgrade torch, save"
             " full checkpoints (`state_dict_type='full'`) to the URL, or save to a local directory."
         ) from error
     return getattr(_fsspec_filesystem, name)
@@ -241,9 +248,43 @@ def _save_planner() -> Any:
 
 
 def saves_in_background() -> bool:
-    import torch.distributed.checkpoint as dcp
+    return torch_release() >= ASYNC_SAVE
 
-    return torch_release() >= ASYNC_SAVE and hasattr(dcp, "async_save")
+
+def has_safe_globals() -> bool:
+    """torch >= 2.4: ``torch.serialization.add_safe_globals`` and ``get_safe_globals``."""
+    return torch_release() >= _SAFE_GLOBALS
+
+
+def loads_lazily() -> bool:
+    """torch >= 2.1: ``torch.load(mmap=True)``, a full checkpoint read lazily and shared by every rank."""
+    return torch_release() >= LOAD_MMAP
+
+
+def streams_through_fs(storage: Any) -> bool:
+    """Whether the DCP reader or writer ``storage`` opens its files through its file system's streams, where they can
+    be wrapped (torch 2.4's local storage, and the fsspec one); torch < 2.4's local storage opens them itself."""
+    return hasattr(getattr(storage, "fs", None), "create_stream")
+
+
+def stamps_load_id(storage: Any) -> bool:
+    """Whether the DCP reader ``storage`` stamps the index it reads with its ``load_id`` (torch 2.4 adds it)."""
+    return hasattr(storage, "load_id")
+
+
+def consolidate_supported() -> bool:
+    """torch >= 2.2: a sharded checkpoint read whole in one process."""
+    return torch_release() >= CONSOLIDATE_MIN
+
+
+def cpu_fsdp_supported() -> bool:
+    """torch >= 2.2: FSDP ranks over gloo on the CPU."""
+    return torch_release() >= CPU_FSDP_MIN
+
+
+def cpu_orig_params_optimizer_state_supported() -> bool:
+    """False on torch 2.2 alone, which gathers an optimizer state of ``use_orig_params=True`` through torch.cuda."""
+    return torch_release()[:2] != CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE
 
 
 def save_distributed_in_background(state: Dict[str, Any], writer: Any, group: Any) -> Any:

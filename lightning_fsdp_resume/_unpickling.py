@@ -20,7 +20,7 @@ import pickle
 import types
 from typing import Any, Dict, Iterable, List, Optional
 
-from ._torch_compat import LOAD_MMAP, torch_release
+from . import _torch_compat as compat
 
 # What a checkpoint of Lightning 2.0 to 2.6, of torch's optimizers and schedulers and of this package holds besides
 # what torch's own weights_only unpickler admits: plain containers and values, Lightning's hyper-parameter
@@ -62,7 +62,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError, ValueError):
 
     def __init__(self, source: str, name: str) -> None:
         self.source, self.name = source, name
-        if torch_release() >= (2, 4):
+        if compat.has_safe_globals():
             admit = f"`torch.serialization.add_safe_globals([{name}])`"
         else:
             admit = f"`lightning_fsdp_resume.add_safe_globals([{name}])`"
@@ -83,7 +83,7 @@ def add_safe_globals(safe_globals: Iterable[Any]) -> None:
     safe_globals = list(safe_globals)
     import torch
 
-    if hasattr(torch.serialization, "add_safe_globals"):
+    if compat.has_safe_globals():
         torch.serialization.add_safe_globals(safe_globals)
     else:
         _added.extend(safe_globals)
@@ -100,7 +100,7 @@ def _user_admitted() -> Dict[str, Any]:
     import torch
 
     entries = list(_added)
-    if hasattr(torch.serialization, "get_safe_globals"):
+    if compat.has_safe_globals():
         entries += torch.serialization.get_safe_globals()
     return {_full_name(entry): entry[0] if isinstance(entry, tuple) else entry for entry in entries}
 
@@ -179,7 +179,7 @@ def torch_load(source: Any, lazy: bool = False, trusted: bool = False, name: Opt
     options: Dict[str, Any] = {"map_location": map_location, "weights_only": False}
     if not trusted:
         options["pickle_module"] = module_for(name or (repr(str(source)) if isinstance(source, str) else "a file"))
-    if lazy and isinstance(source, str) and torch_release() >= LOAD_MMAP:
+    if lazy and isinstance(source, str) and compat.loads_lazily():
         try:
             return torch.load(source, mmap=True, **options)
         except RuntimeError as error:

@@ -4,7 +4,8 @@ is refused with the path, what was found and what to do. Nothing here writes to 
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 from . import _checksums, _format
-from ._storage import Location
+from ._ranks import describe
+from ._storage import Location, checked
 from ._unpickling import UnsafeCheckpointError
 
 SHARDED, FULL = _format.SHARDED, _format.FULL
@@ -56,18 +57,18 @@ def _check_sharded(path: Location) -> None:
         raise ValueError(f"{not_a_checkpoint(path)}: the sharded checkpoint has no {_format.METADATA_FILENAME!r}." + incomplete)
     if not has_index:
         raise ValueError(f"The sharded checkpoint {str(path)!r} has no shard index {_INDEX!r}." + incomplete)
-    sums = path.sums()
+    sums = checked.sums(path)
     if sums is None:
         _checksums.unchecked(str(path))
     else:  # every file the save wrote, at the size it wrote: a truncated or swapped one is refused before any read
         for relative, file_sums in sums.items():
             file_sums.check_size(listed_size(path, files, relative))
     try:
-        shards = path.read_index()
+        shards = checked.index(path)
     except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
         raise
     except Exception as error:
-        raise ValueError(f"The shard index {str(index)!r} cannot be read ({_describe(error)})." + incomplete) from error
+        raise ValueError(f"The shard index {str(index)!r} cannot be read ({describe(error)})." + incomplete) from error
     for relative, needed in _bytes_needed(shards).items():
         shard = path / relative
         size = listed_size(path, files, relative)
@@ -83,8 +84,8 @@ def _check_sharded(path: Location) -> None:
 def _unpickle_entries(path: Location, shards: Any) -> None:
     """Every pickled entry of the index (param groups and the like), unpickled restricted: DCP unpickles them with no
     restriction, after the weights have loaded."""
-    path.load_items([info for entry, info in shards.storage_data.items()
-                     if _format.is_pickled_entry(shards.state_dict_metadata[entry.fqn])])
+    checked.load_items(path, [info for entry, info in shards.storage_data.items()
+                              if _format.is_pickled_entry(shards.state_dict_metadata[entry.fqn])])
 
 
 def listed_size(path: Location, files: Dict[str, Any], relative: str) -> Optional[int]:
@@ -102,11 +103,11 @@ def read_meta(path: Location) -> Dict[str, Any]:
     """A sharded checkpoint's ``meta.pt``: everything but the model and optimizer states."""
     meta = path / _format.METADATA_FILENAME
     try:
-        content = path.load_checked(_format.METADATA_FILENAME)
+        content = checked.load_member(path, _format.METADATA_FILENAME)
     except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
         raise
     except Exception as error:
-        raise ValueError(f"{str(meta)!r} cannot be read ({_describe(error)}). The checkpoint is damaged; resume from"
+        raise ValueError(f"{str(meta)!r} cannot be read ({describe(error)}). The checkpoint is damaged; resume from"
                          " another one.") from error
     if not isinstance(content, dict):
         raise ValueError(f"{str(meta)!r} holds a {type(content).__name__}, not a checkpoint's metadata dict.")
@@ -116,12 +117,12 @@ def read_meta(path: Location) -> Dict[str, Any]:
 def read_full(path: Location, required: Optional[str] = "state_dict") -> Dict[str, Any]:
     """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have."""
     try:
-        checkpoint = path.once("load", lambda: path.load(lazy=True))
+        checkpoint = path.once("load", lambda: checked.load_file(path, lazy=True))
     except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
         raise
     except Exception as error:
         raise ValueError(
-            f"The file {str(path)!r} is not a checkpoint torch can read ({_describe(error)}). Pass a checkpoint"
+            f"The file {str(path)!r} is not a checkpoint torch can read ({describe(error)}). Pass a checkpoint"
             " written by `Trainer.save_checkpoint`, `ModelCheckpoint` or `Fabric.save`."
         ) from error
     if not isinstance(checkpoint, dict):
@@ -139,7 +140,7 @@ def checkpoint_entries(path: Location, kind: str) -> Set[Any]:
     (modules and optimizers, from its index) and the keys of its ``meta.pt``."""
     if kind == FULL:
         return set(read_full(path, required=None))
-    shards = path.read_index()
+    shards = checked.index(path)
     paths = getattr(shards, "planner_data", None) or {}
     if paths:  # each flattened key's path of nested keys, from the saved dict down
         stored = {nested[0] for nested in paths.values() if nested}
@@ -230,7 +231,3 @@ def _listing(items: Iterable[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
-
-def _describe(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from . import DISABLE_ENV
+from . import DISABLE_ENV, _unpickling
 from ._versions import FABRIC, FLAVOURS, TRAINER, installed_version
 
 PROGRESS = "demo: "
@@ -100,10 +100,8 @@ class _Comparison(NamedTuple):
 def _report(reference: Path, resumed: Path, stop_after: int, stock: Optional[Path] = None, kind: str = TRAINER) -> int:
     """Print the shim's resumed run against the reference, stock Lightning's (``kind``: the Trainer's or Fabric's)
     in a column before it if given, and a verdict for each; 0 when the shim's run is exact."""
-    import torch
-
     ref_losses = _losses(reference)
-    ref_steps = {epoch: torch.load(path, weights_only=False)["step"] for epoch, path in _epoch_files(reference).items()}
+    ref_steps = {epoch: _unpickling.torch_load(str(path), trusted=True)["step"] for epoch, path in _epoch_files(reference).items()}
     epochs = sorted(epoch for epoch in ref_steps if epoch >= stop_after)
     columns = {_stock_label(kind): stock, SHIM: resumed} if stock is not None else {"": resumed}
     results = {label: _compare(reference, run, epochs, ref_losses) for label, run in columns.items()}
@@ -124,14 +122,12 @@ def _report(reference: Path, resumed: Path, stop_after: int, stock: Optional[Pat
 def _compare(reference: Path, resumed: Path, epochs: List[int], ref_losses: Dict[int, float]) -> _Comparison:
     """One resumed run against the reference: exact when it did not fail and every loss it recorded and the
     weights at the end of every one of ``epochs`` equal the reference's."""
-    import torch
-
     failure = _failure(resumed)
     losses = _losses(resumed) if (resumed / "losses.jsonl").is_file() else {}
     exact = failure is None and bool(losses) and all(ref_losses.get(step) == loss for step, loss in losses.items())
     rows = {}
     for epoch, path in _epoch_files(resumed).items():
-        mine, theirs = torch.load(path, weights_only=False), torch.load(reference / path.name, weights_only=False)
+        mine, theirs = (_unpickling.torch_load(str(p), trusted=True) for p in (path, reference / path.name))  # its own records
         diff = max(float((mine["params"][k] - theirs["params"][k]).abs().max()) for k in theirs["params"])
         rows[epoch] = (losses.get(mine["step"], float("nan")), diff)
         exact = exact and diff == 0.0 and set(mine["params"]) == set(theirs["params"]) and mine["step"] in losses

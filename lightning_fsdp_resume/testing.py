@@ -27,19 +27,18 @@ _FABRIC_GPU_ONLY = "FSDP is only available on GPU"
 
 def cpu_fsdp_supported() -> Tuple[bool, str]:
     """Whether this torch can run multi-rank FSDP on the CPU, and if not, why."""
-    from ._torch_compat import CPU_FSDP_MIN, torch_release
+    from . import _torch_compat as compat
 
-    release = torch_release()
-    if release < CPU_FSDP_MIN:
-        return False, f"torch {'.'.join(map(str, release))} cannot run FSDP on CPU: gloo lacks _allgather_base before torch 2.2"
+    if not compat.cpu_fsdp_supported():
+        return False, f"torch {compat.release_text()} cannot run FSDP on CPU: gloo lacks _allgather_base before torch 2.2"
     return True, ""
 
 
 def cpu_optimizer_state_supported(use_orig_params: bool) -> Tuple[bool, str]:
     """Whether this torch can produce an optimizer state dict (full or sharded) of CPU FSDP ranks; if not, why."""
-    from ._torch_compat import CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE, torch_release
+    from . import _torch_compat as compat
 
-    if use_orig_params and torch_release()[:2] == CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE:
+    if use_orig_params and not compat.cpu_orig_params_optimizer_state_supported():
         return False, (
             "torch 2.2 gathers optimizer state with use_orig_params=True through torch.cuda calls,"
             " which fail without a GPU"

@@ -90,3 +90,93 @@ def test_only_the_storage_package_tells_one_store_from_another():
     named = [name for name, path in modules().items()
              if not name.startswith("_storage") and re.search(r"\b(LocalLocation|ObjectLocation)\b", path.read_text())]
     assert not named, named
+
+
+def _calls(path: Path):
+    """Every call in the module at ``path``: (the called name as written, ``a.b.c``, and the call node)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            parts, target = [], node.func
+            while isinstance(target, ast.Attribute):
+                parts.append(target.attr)
+                target = target.value
+            parts.append(target.id if isinstance(target, ast.Name) else "<expression>")
+            yield ".".join(reversed(parts)), node
+
+
+# Read without a check, or unpickled without the restriction, anywhere but where the check is made
+UNPICKLING = {"torch.load", "pickle.load", "pickle.loads", "pickle.Unpickler"}
+UNCHECKED_READS = ("read_bytes", "load_source", "dcp_storage_reader", "dcp_storage_writer", "writing")
+DCP_STORAGE = {"dcp.FileSystemReader", "dcp.FileSystemWriter", "FileSystemReader", "FileSystemWriter"}
+
+
+def test_every_pickle_is_unpickled_by_the_one_restricted_unpickler():
+    """No module but ``_unpickling`` calls ``torch.load`` or pickle's loaders: a new read of a checkpoint's pickles
+    cannot skip the restriction (``trusted=True`` there is a choice made in the open, at the call)."""
+    found = [f"{name}: {called}" for name, path in modules().items() if name != "_unpickling"
+             for called, _ in _calls(path) if called in UNPICKLING]
+    assert not found, found
+
+
+def test_every_byte_of_a_checkpoint_is_read_and_written_through_the_checked_layer():
+    """Outside ``_storage``, no module reads a location's bytes, opens one for reading, writes a file into one or
+    makes torch DCP's storage: ``_storage.checked`` does, checking or hashing each byte. Inside it, the stores
+    implement those reads and ``_checked`` alone calls them; ``_checksums`` reads the zip records it checks."""
+    found = []
+    for name, path in modules().items():
+        for called, node in _calls(path):
+            method = called.rsplit(".", 1)[-1]
+            reading = method == "open" and "." in called and not any(
+                isinstance(arg, ast.Constant) and "w" in str(arg.value) for arg in node.args)
+            if name in ("_storage._local", "_storage._objects", "_storage._location", "_torch_compat", "_checksums"):
+                continue  # the stores, the DCP storage they make, the zip records the checks read
+            if called in DCP_STORAGE or (name != "_storage._checked" and (method in UNCHECKED_READS or reading)):
+                found.append(f"{name}: {called}")
+    assert not found, found
+
+
+def test_the_rules_above_see_the_calls_they_forbid(tmp_path):
+    """The scans read calls as written: a module that broke each rule would be found."""
+    module = tmp_path / "broken.py"
+    module.write_text("import pickle, torch\ntorch.load(f)\npickle.loads(b)\nlocation.read_bytes(0, 1)\n"
+                      "(location / 'x').open('rb')\n")
+    called = [name for name, _ in _calls(module)]
+    assert {"torch.load", "pickle.loads"} <= set(called) and "location.read_bytes" in called
+    assert any(name.endswith(".open") for name in called)
+
+
+# Names of torch's features that differ between releases: probing one with hasattr is asking which release this is
+TORCH_FEATURES = {"async_save", "add_safe_globals", "get_safe_globals", "load_id", "create_stream", "no_dist", "mmap",
+                  "async_stager", "sync_files"}
+
+
+def _names_in(node: ast.AST) -> Set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def test_only_torch_compat_tells_torch_releases_apart():
+    """No module but ``_torch_compat`` reads torch's release or probes one of torch's features: each question is
+    asked there, once, with the release that answers it named."""
+    found = []
+    for name, path in modules().items():
+        if name == "_torch_compat":
+            continue
+        for called, node in _calls(path):
+            if called.rsplit(".", 1)[-1] == "torch_release":
+                found.append(f"{name}: {called}()")
+            elif called == "hasattr" and len(node.args) == 2:
+                probed = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
+                if probed in TORCH_FEATURES or _names_in(node.args[0]) & {"torch", "dcp", "dist", "serialization"}:
+                    found.append(f"{name}: hasattr(..., {probed!r})")
+        versions = [n for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, ast.Attribute) and n.attr == "__version__" and _names_in(n.value) == {"torch"}]
+        found += [f"{name}: torch.__version__"] * len(versions)
+    assert not found, found
+
+
+def test_the_release_rule_sees_what_it_forbids(tmp_path):
+    module = tmp_path / "probing.py"
+    module.write_text("import torch\nif hasattr(torch.serialization, 'add_safe_globals'): pass\ncompat.torch_release()\n")
+    calls = dict(_calls(module))
+    assert "compat.torch_release" in calls
+    assert _names_in(calls["hasattr"].args[0]) & {"torch"}

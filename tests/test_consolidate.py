@@ -20,7 +20,7 @@ import torch
 from lightning_fsdp_resume import _consolidate, _sharded_reader, _versions
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
-from lightning_fsdp_resume._storage import open_path
+from lightning_fsdp_resume._storage import checked, open_path
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
 from support.flavours import FABRIC_UNDER_TEST, NATIVE, VERSION
 from support.marks import long_runs, needs_consolidate, needs_cpu_fsdp, skip_as
@@ -520,8 +520,8 @@ WEIGHTS_ONLY_KEYS = {"state_dict", "epoch", "global_step", "pytorch-lightning_ve
 
 def _write_sharded(directory: Path, stored: dict, meta: dict) -> Path:
     directory.mkdir(parents=True)
-    compat.save_distributed(stored, open_path(directory, "save").dcp_writer())
-    open_path(directory / "meta.pt", "save").save(meta)
+    compat.save_distributed(stored, checked.writer(open_path(directory, "save")))
+    checked.save_file(open_path(directory / "meta.pt", "save"), meta)
     return directory
 
 

@@ -10,7 +10,7 @@ import torch
 
 from lightning_fsdp_resume import _saving, _sharded_reader
 from lightning_fsdp_resume import _torch_compat as compat
-from lightning_fsdp_resume._storage import open_path
+from lightning_fsdp_resume._storage import checked, open_path
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import NATIVE
 from support.marks import needs_cpu_fsdp
@@ -26,7 +26,7 @@ def _read(checkpoint):
 
 def _chunks(checkpoint):
     """Each stored tensor's rectangles, as ``.metadata`` lists them."""
-    index = open_path(checkpoint, "load").read_index()
+    index = checked.index(open_path(checkpoint, "load"))
     return {key: sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
             for key, entry in index.state_dict_metadata.items() if hasattr(entry, "chunks")}
 

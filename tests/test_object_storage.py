@@ -163,6 +163,7 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
     import sys
 
     from lightning_fsdp_resume import _torch_compat as compat
+    from lightning_fsdp_resume._storage import checked
     from lightning_fsdp_resume._storage import open_path as location
 
     dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -172,7 +173,7 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
     with pytest.raises(RuntimeError, match=rf"Sharded checkpoints at URLs \('memory:///bucket/run/last\.ckpt'\) need"
                                            rf" torch\.distributed\.checkpoint's fsspec storage, which torch {release} does"
                                            r" not have .*save full checkpoints"):
-        location(f"{MEMORY}/last.ckpt", "save").dcp_writer()
+        checked.writer(location(f"{MEMORY}/last.ckpt", "save"))
 
 
 def test_http_checkpoints_are_downloaded_where_torch_hub_keeps_them_and_read_restricted(tmp_path, monkeypatch):

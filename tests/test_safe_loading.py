@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_fsdp_resume import UnsafeCheckpointError, add_safe_globals
-from lightning_fsdp_resume._storage import open_path
+from lightning_fsdp_resume._storage import checked, open_path
 from lightning_fsdp_resume._torch_compat import torch_release
 from support.flavours import NATIVE, TRAINER_UNDER_TEST
 from support.marks import needs_cpu_fsdp
@@ -59,7 +59,7 @@ def test_what_lightning_and_torch_put_into_checkpoints_loads_by_default(tmp_path
         "rng": (torch.get_rng_state(), torch.float16, torch.device("cpu"), torch.Size([2, 3]), complex(1, 2)),
     }
     torch.save(checkpoint, tmp_path / "clean.ckpt")
-    loaded = open_path(tmp_path / "clean.ckpt", "load").load()
+    loaded = checked.load_file(open_path(tmp_path / "clean.ckpt", "load"))
     assert type(loaded["hyper_parameters"]) is AttributeDict and loaded["hyper_parameters"] == checkpoint["hyper_parameters"]
     assert loaded["callbacks"] == {key: {"dirpath": Path("/runs/a"), "best_k_models": {"a": torch.tensor(1.0)}}
                                    for key in checkpoint["callbacks"]}
@@ -72,10 +72,10 @@ def test_a_pickle_naming_code_is_refused_before_it_runs_and_runs_only_when_trust
     ran = tmp_path / "ran"
     torch.save({"state_dict": {}, "hidden": Hidden(ran)}, tmp_path / "poisoned.ckpt")
     with pytest.raises(UnsafeCheckpointError, match=REFUSAL.format(name="poisoned.ckpt")):
-        open_path(tmp_path / "poisoned.ckpt", "load").load()
+        checked.load_file(open_path(tmp_path / "poisoned.ckpt", "load"))
     assert not ran.exists()
     assert isinstance(UnsafeCheckpointError("x", "y"), ValueError)  # as every other refusal of a checkpoint
-    open_path(tmp_path / "poisoned.ckpt", "load", trusted=True).load()
+    checked.load_file(open_path(tmp_path / "poisoned.ckpt", "load", trusted=True))
     assert ran.is_dir()
 
 
@@ -83,10 +83,10 @@ def test_a_type_the_user_admits_loads_by_default(tmp_path):
     torch.save({"mine": Admitted(3)}, tmp_path / "own.ckpt")
     name = f"{__name__}.Admitted"
     with pytest.raises(UnsafeCheckpointError, match=rf"names `{re.escape(name)}`"):
-        open_path(tmp_path / "own.ckpt", "load").load()
+        checked.load_file(open_path(tmp_path / "own.ckpt", "load"))
     add_safe_globals([Admitted])  # torch's own allowlist where torch has one (2.4+), which this package honours
     try:
-        assert open_path(tmp_path / "own.ckpt", "load").load() == {"mine": Admitted(3)}
+        assert checked.load_file(open_path(tmp_path / "own.ckpt", "load")) == {"mine": Admitted(3)}
     finally:
         if torch_release() >= (2, 4):
             torch.serialization.clear_safe_globals()

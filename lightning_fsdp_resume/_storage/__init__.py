@@ -3,8 +3,8 @@ store that holds it, a local directory (``_local``) or an object store through f
 that differs between the two is a method of ``Location``; nothing outside this package asks which one it has.
 
 A ``Location`` answers what the checkpoint code asks of a path (``/``, ``name``, ``parent``, ``exists()``,
-``is_dir()``, ``stat()``, ``listing()``, ``str()``), reads and writes its files (byte ranges,
-``torch.load``/``torch.save`` of small files, torch DCP's reader and writer), and knows its store's way of putting
+``is_dir()``, ``stat()``, ``listing()``, ``str()``), reads and writes its files unchecked (byte ranges, streams,
+torch DCP's storage): the rest of the package reads and writes a checkpoint through ``checked``, and knows its store's way of putting
 a checkpoint in place only once it is complete (``partial``, ``publish``, ``write_file``), of removing one, of
 finding what unfinished saves left, and how to say that a checkpoint is missing. Ranks share a location as its
 string: ``open_path(str(location))`` is the same location.
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _format
+from . import _checked as checked  # noqa: F401  (every checked read and write of the package: `_storage.checked`)
 from ._local import LocalLocation
 from ._location import Location
 from ._objects import ObjectLocation

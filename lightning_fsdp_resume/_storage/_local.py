@@ -9,16 +9,16 @@ the two renames leaves it there, named in the error a load of the missing path r
 Partial names never contain ``last``: Lightning's ``ckpt_path="last"`` takes the newest entry whose
 name does, and must never pick a partial save.
 """
+import contextlib
 import ctypes
 import errno
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .. import _checksums, _format, _unpickling
-from .._checksums import Range
+from .. import _format
 from ._location import Entry, Location, not_replaceable
 
 _PARTIAL = ".fsdp-resume-partial-"
@@ -172,25 +172,19 @@ class LocalLocation(Location):
             handle.seek(start or 0)
             return handle.read(-1 if end is None else end - (start or 0))
 
-    def load(self, lazy: bool = False, map_location: Any = "cpu") -> Any:
-        _checksums.check_torch_file(str(self.path), str(self))
-        return _unpickling.torch_load(str(self.path), lazy=lazy, trusted=self.trusted, map_location=map_location)
+    def load_source(self) -> Any:
+        return str(self.path)  # a str: torch 2.1 and 2.2 memory-map no Path
 
-    def save(self, obj: Any) -> List[Range]:
-        import torch
-
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[Any]:
         with open(self.path, "wb") as handle:
-            hashing = _checksums.Hashing(handle)
-            torch.save(obj, hashing)
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        return hashing.close()
 
     def write_bytes(self, data: bytes) -> None:
-        with open(self.path, "wb") as handle:
+        with self.writing() as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
 
     def mkdir(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -198,12 +192,12 @@ class LocalLocation(Location):
     def open(self, mode: str = "rb") -> Any:
         return open(self.path, mode)
 
-    def _dcp_writer(self) -> Any:
+    def dcp_storage_writer(self) -> Any:
         import torch.distributed.checkpoint as dcp
 
         return dcp.FileSystemWriter(str(self.path), single_file_per_rank=True)
 
-    def _dcp_reader(self) -> Any:
+    def dcp_storage_reader(self) -> Any:
         import torch.distributed.checkpoint as dcp
 
         return dcp.FileSystemReader(str(self.path))

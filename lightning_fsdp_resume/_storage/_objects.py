@@ -22,9 +22,8 @@ import json
 import posixpath
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .. import _checksums, _format, _unpickling
+from .. import _format
 from .. import _torch_compat as compat
-from .._checksums import Range
 from .._ranks import describe
 from ._location import Entry, Location, not_replaceable
 
@@ -116,25 +115,19 @@ class ObjectLocation(Location):
         if self.exists():
             self.fs.rm(self.path, recursive=True)
 
-    def load(self, lazy: bool = False, map_location: Any = "cpu") -> Any:
-        # read whole into memory, in one request: an object cannot be memory-mapped
-        data = io.BytesIO(self.read_bytes())
-        _checksums.check_torch_file(data, str(self))
-        return _unpickling.torch_load(data, trusted=self.trusted, name=repr(str(self)), map_location=map_location)
+    def load_source(self) -> Any:
+        return io.BytesIO(self.read_bytes())  # whole, in one request: an object cannot be memory-mapped
 
-    def save(self, obj: Any) -> List[Range]:
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[Any]:
         """One object: it appears once its upload is complete."""
-        import torch
-
         with self.fs.open(self.path, "wb") as handle:
-            hashing = _checksums.Hashing(handle)
-            torch.save(obj, hashing)
-        return hashing.close()
+            yield handle
 
-    def _dcp_writer(self) -> Any:
+    def dcp_storage_writer(self) -> Any:
         return compat.dcp_fsspec_writer(str(self))
 
-    def _dcp_reader(self) -> Any:
+    def dcp_storage_reader(self) -> Any:
         # Each rank reads its items in the plan's order, not by offset: s3fs's read-ahead cache then fetches a new
         # block for most items (a 403 MB sharded resume from a local S3 server took 2.2 times as long); a block
         # cache fetches each block once.

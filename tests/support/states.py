@@ -136,4 +136,4 @@ def build_with_fsdp() -> None:
     rank's flat shards: the two must write checkpoints that read back the same."""
     from lightning_fsdp_resume import _saving
 
-    _saving.FROM_SHARDS = False
+    _saving._built = lambda from_shards, args, fsdps: fsdps()

@@ -236,16 +236,16 @@ def full_optimizer_state(trainer, optimizer):
 
 def trace_meta_writes(log: Path) -> None:
     """Append one line per ``meta.pt`` written, naming the writing rank."""
-    from lightning_fsdp_resume._storage._local import LocalLocation
+    from lightning_fsdp_resume._storage import _checked
 
-    original = LocalLocation.save
+    original = _checked.save_file
 
-    def traced(path, obj):
+    def traced(location, obj):
         with open(log, "a") as handle:
-            handle.write(f"{os.environ.get('RANK', '0')} {path}\n")
-        return original(path, obj)
+            handle.write(f"{os.environ.get('RANK', '0')} {location}\n")
+        return original(location, obj)
 
-    LocalLocation.save = traced
+    _checked.save_file = traced
 
 
 class CliNet(Net):

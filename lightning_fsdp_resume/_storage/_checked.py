@@ -1,0 +1,392 @@
+"""The one way in and out of a checkpoint's bytes: each byte read is checked against its save's checksums, each pickle
+unpickled restricted (``_unpickling``) unless the location is trusted, and each byte written hashed into the manifest.
+``Location`` is the store beneath: its reads hand out unchecked bytes to this module alone.
+"""
+import contextlib
+import dataclasses
+import io
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
+
+from .. import _checksums, _format, _unpickling
+from .. import _torch_compat as compat
+from .._checksums import Range, Sums
+from ._location import Location
+
+_ENTRIES_SPAN = 64 * 2**20  # the most bytes read at once for pickled entries, tensors between them included
+
+
+# --- the manifest -----------------------------------------------------------------------------------------------
+
+
+def sums(location: Location) -> Optional[Dict[str, Sums]]:
+    """The ranges the save of the sharded checkpoint at ``location`` hashed, by file (its manifest), read once; None
+    where it has none (native Lightning's, an older lightning_fsdp_resume's) or where another program saved over it in
+    place (native Lightning does), leaving the manifest of an earlier save: both load unverified, said once."""
+    return location.once("sums", lambda: _read_sums(location))
+
+
+def _read_sums(location: Location) -> Optional[Dict[str, Sums]]:
+    manifest = location / _format.CHECKSUMS_FILENAME
+    try:
+        data = manifest.read_bytes()
+    except FileNotFoundError:
+        return None
+    found = _checksums.parse_manifest(data, str(manifest), str(location))
+    if found.save is not None and _index_save(location, found) not in (None, found.save):
+        warnings.warn(
+            f"lightning_fsdp_resume: {str(manifest)!r} holds the checksums of another save than the checkpoint's"
+            " (a program that saves in place, such as native Lightning, saved over it): its bytes could not be"
+            " verified."
+        )
+        return None
+    return found.files
+
+
+def _index_save(location: Location, manifest: _checksums.Manifest) -> Optional[str]:
+    """The save id in ``.metadata`` where its bytes are not those the manifest hashed; None where they are, or where
+    it holds none (then the bytes are damaged, and the checks say so)."""
+    name = _format.DCP_METADATA_FILENAME
+    file_sums = manifest.files.get(name)
+    try:
+        data = _whole(location, name)
+    except FileNotFoundError:
+        return None
+    if file_sums is None or (len(data) == file_sums.size and len(file_sums.ranges) == 1
+                             and _checksums.digest(data) == file_sums.ranges[0].digest):
+        return None
+    try:
+        index = _unpickling.loads(data, repr(str(location / name)))
+    except Exception:
+        return None
+    return getattr(getattr(index, "storage_meta", None), "save_id", None)
+
+
+def file_sums(location: Location, relative: str) -> Optional[Sums]:
+    """The ranges of the file ``relative`` at ``location``; None where the checkpoint has no checksums."""
+    found = sums(location)
+    if found is None:
+        return None
+    if relative not in found:
+        raise _checksums.DamagedCheckpointError(
+            f"The checkpoint file {str(location / relative)!r} is not one its save wrote (its checksums do not list"
+            " it). Resume from another checkpoint."
+        )
+    return found[relative]
+
+
+def written(location: Location) -> Dict[str, List[Range]]:
+    """What torch DCP's writer of the directory at ``location`` wrote on this rank, by file: filled in by its
+    ``finish`` (on the rank that writes ``.metadata``)."""
+    return location.once("written", dict)
+
+
+def seal(location: Location, ranges: Dict[str, List[Range]]) -> None:
+    """Write the manifest of the sharded checkpoint at ``location``: what DCP wrote and ``ranges`` (``meta.pt``'s)."""
+    files = {**written(location), **ranges}
+    if _format.DCP_METADATA_FILENAME not in files:
+        return  # not the rank whose DCP writer finished: its checkpoint goes without checksums
+    save = location.once("save id", dict).get("id")
+    (location / _format.CHECKSUMS_FILENAME).write_bytes(_checksums.manifest_bytes(files, save))
+
+
+# --- reading ----------------------------------------------------------------------------------------------------
+
+
+def _whole(location: Location, relative: str) -> bytes:
+    """The whole small file ``relative`` at ``location``, read once."""
+    return location.once(("whole", relative), lambda: (location / relative).read_bytes())
+
+
+def read(location: Location, relative: str, start: Optional[int] = None, end: Optional[int] = None) -> bytes:
+    """The bytes of the file ``relative`` at ``location`` (those in [start, end)), checked against the checkpoint's
+    checksums where it has them: damage raises ``DamagedCheckpointError`` naming the file and the bytes."""
+    found = file_sums(location, relative)
+    data = _whole(location, relative) if start is None and end is None else (location / relative).read_bytes(start, end)
+    if found is not None:
+        if start is None and end is None:
+            found.check_size(len(data))
+        found.check(data, start or 0)
+    return data
+
+
+def index(location: Location) -> Any:
+    """A sharded checkpoint's ``.metadata``, read once per location: every stored entry (``state_dict_metadata``,
+    flattened keys with global shapes), where its bytes are (``storage_data``: file, offset, length) and, in
+    ``planner_data``, the nested path each flattened key came from. torch's DCP unpickles it with no restriction:
+    here it goes through the restricted unpickler unless the location is trusted."""
+    name = _format.DCP_METADATA_FILENAME
+    return location.once("index", lambda: _unpickling.loads(read(location, name), repr(str(location / name)),
+                                                             location.trusted))
+
+
+def load_member(location: Location, relative: str) -> Any:
+    """``torch.load`` of the small file ``relative`` of the sharded checkpoint at ``location`` (``meta.pt``), its bytes
+    checked first: against the checksums, or against its zip records' CRC-32s where the checkpoint has none."""
+    member = location / relative
+
+    def load() -> Any:
+        data = read(location, relative)
+        if sums(location) is None and _checksums.is_zip(data[:4]):
+            _checksums.check_zip(io.BytesIO(data), str(member))
+        return _unpickling.torch_load(io.BytesIO(data), trusted=location.trusted, name=repr(str(member)))
+
+    return member.once("load", load)
+
+
+def load_items(location: Location, infos: List[Any]) -> List[Any]:
+    """Pickled (non-tensor) entries of the sharded checkpoint at ``location``, ``infos`` their ``storage_data``
+    records, unpickled as ``load_member`` unpickles. DCP writes a file's pickled entries before its tensors, so each
+    file's are read in one request (at a URL) where they lie within ``_ENTRIES_SPAN`` bytes of each other, else one
+    by one."""
+    by_file: Dict[str, List[int]] = {}
+    for number, info in enumerate(infos):
+        by_file.setdefault(info.relative_path, []).append(number)
+    loaded: Dict[int, Any] = {}
+    for relative, numbers in by_file.items():
+        shard = location / relative
+        start, end = min(infos[n].offset for n in numbers), max(infos[n].offset + infos[n].length for n in numbers)
+        whole = read(location, relative, start, end) if end - start <= _ENTRIES_SPAN else None
+        for n in numbers:
+            offset, length = infos[n].offset, infos[n].length
+            data = read(location, relative, offset, offset + length) if whole is None else whole[offset - start:offset - start + length]
+            loaded[n] = _unpickling.torch_load(io.BytesIO(data), trusted=location.trusted, name=f"an entry of {str(shard)!r}")
+    return [loaded[n] for n in range(len(infos))]
+
+
+def load_file(location: Location, lazy: bool = False, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of the full checkpoint file at ``location`` (onto the CPU unless ``map_location`` says
+    otherwise), its zip records' CRC-32s checked first, restricted unless the location is trusted; ``lazy``:
+    memory-mapped where the store and torch allow."""
+    source = location.load_source()
+    _checksums.check_torch_file(source, str(location))
+    return _unpickling.torch_load(source, lazy=lazy, trusted=location.trusted, name=repr(str(location)),
+                                  map_location=map_location)
+
+
+def load_stream(source: Any, name: str, refusal: str, trusted: bool, map_location: Any) -> Any:
+    """``torch.load`` of a full checkpoint given as a file object or a local filename outside any location (a
+    download), checked first where it can be re-read; ``name`` is what a damage report calls it, ``refusal`` what an
+    unpickling refusal does."""
+    if not hasattr(source, "read") or source.seekable():
+        _checksums.check_torch_file(source, name)
+    return _unpickling.torch_load(source, trusted=trusted, name=refusal, map_location=map_location)
+
+
+def verify_file(location: Location) -> bool:
+    """The full checkpoint file at ``location`` checked whole against its zip records' CRC-32s; False where it is not
+    in torch's zip format (it carries none)."""
+    with location.open("rb") as handle:
+        if not _checksums.is_zip(handle.read(4)):
+            return False
+        handle.seek(0)
+        _checksums.check_zip(handle, str(location))
+    return True
+
+
+def verify_member(location: Location, relative: str, found: Sums, advance: Callable[[int], None]) -> None:
+    """Every byte of the file ``relative`` of the sharded checkpoint at ``location`` checked against ``found``, read
+    once into one reused buffer."""
+    with (location / relative).open("rb") as handle:
+        _checksums.check_file(_reader_into(handle), found, advance)
+
+
+def _reader_into(handle: Any) -> Callable[[int, int], memoryview]:
+    """``read(start, end)`` of ``handle`` into one buffer, reused: a check reads each byte once, with no new memory."""
+    buffer = bytearray(_checksums.CHUNK)
+
+    def read_range(start: int, end: int) -> memoryview:
+        handle.seek(start)
+        view = memoryview(buffer)[: end - start]
+        filled = 0
+        while filled < len(view):
+            count = handle.readinto(view[filled:])
+            if not count:
+                break
+            filled += count
+        return view[:filled]
+
+    return read_range
+
+
+# --- writing ----------------------------------------------------------------------------------------------------
+
+
+def save_file(location: Location, obj: Any) -> List[Range]:
+    """``torch.save`` of ``obj`` into the file at ``location``, durable before it is published; the ranges hashed as
+    it was written."""
+    import torch
+
+    with location.writing() as handle:
+        hashing = _checksums.Hashing(handle)
+        torch.save(obj, hashing)
+    return hashing.close()
+
+
+# --- torch DCP's writer and reader --------------------------------------------------------------------------------
+
+
+def writer(location: Location) -> Any:
+    """torch DCP's storage writer into the directory at ``location``, which hashes what every rank writes (in ranges,
+    one per item; ``_checksums``) and hands it to the rank that writes ``.metadata`` (``written``) through DCP's own
+    gather of the write results."""
+    return _summing(location.dcp_storage_writer(), location)
+
+
+def reader(location: Location) -> Any:
+    """torch DCP's storage reader of the directory at ``location``, answering with the index ``index`` read: every
+    load through this location reads ``.metadata`` once (at a URL, each read is a request). Unless the location is
+    trusted, each pickled entry it hands a load planner is unpickled by the restricted unpickler first."""
+    storage = location.dcp_storage_reader()
+    found = index(location)
+
+    def read_metadata(*args: Any, **kwargs: Any) -> Any:
+        if compat.stamps_load_id(storage):
+            if getattr(found, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                found.storage_meta = StorageMeta()
+            found.storage_meta.load_id = storage.load_id
+        return found
+
+    storage.read_metadata = read_metadata
+    if sums(location) is not None:
+        _checking(storage, location)
+    if not location.trusted:
+        read_data = storage.read_data
+        storage.read_data = lambda plan, planner: read_data(plan, _CheckedPlanner(planner, str(location)))
+    return storage
+
+
+def load_entry(value: Any) -> Any:
+    """A pickled entry a load planner receives from ``reader``'s storage reader: its bytes were checked, and unpickled
+    restricted unless its location is trusted, before the planner got them."""
+    return _unpickling.torch_load(value, trusted=True)
+
+
+class _CheckedPlanner:
+    """A load planner as a DCP reader sees it, whose pickled entries are first unpickled by the restricted unpickler:
+    one that names what it does not admit is refused before the planner unpickles it (with no restriction, as
+    torch's planners do). Everything else is the planner's own."""
+
+    def __init__(self, planner: Any, source: str) -> None:
+        self._planner, self._source = planner, source
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        data = value.read()
+        name = f"the entry {read_item.dest_index.fqn!r} of {self._source!r}"
+        _unpickling.torch_load(io.BytesIO(data), name=name)
+        self._planner.load_bytes(read_item, io.BytesIO(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
+class _Summed(NamedTuple):
+    """A write result's storage record on its way to the rank that writes ``.metadata``, with its item's ranges."""
+
+    info: Any
+    ranges: List[Range]
+
+
+class _Files:
+    """A DCP writer's or reader's file system (torch >= 2.4), whose streams hash what is written (``written``: the
+    ranges of each file by name) or check what is read (``location``'s checksums). Everything else is its own."""
+
+    def __init__(self, fs: Any, written: Optional[Dict[str, List[Range]]] = None, location: Optional[Location] = None) -> None:
+        self._fs, self._written, self._location = fs, written, location
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        name = _checksums.relative_name(path)
+        with self._fs.create_stream(path, mode) as raw:
+            if "w" in mode and self._written is not None:
+                hashing = _checksums.Hashing(raw)
+                yield hashing
+                self._written[name] = hashing.close()
+            elif "r" in mode and self._location is not None:
+                found = file_sums(self._location, name)
+                if found is None:
+                    yield raw
+                else:
+                    with contextlib.closing(_checksums.Checked(raw, found)) as checked:
+                        yield checked
+            else:
+                yield raw
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+def _summing(storage: Any, location: Location) -> Any:
+    """``storage`` (a DCP writer), hashing what it writes. torch < 2.4's local writer opens its files itself: there
+    each item is read back once written (from the page cache) to be hashed."""
+    hashed: Dict[str, List[Range]] = {}
+    if compat.streams_through_fs(storage):
+        storage.fs = _Files(storage.fs, written=hashed)
+    write_data, finish = storage.write_data, storage.finish
+
+    def summed_write_data(plan: Any, planner: Any) -> Any:
+        import torch
+
+        results = write_data(plan, planner).wait()
+        files = {name: Sums(name, ranges) for name, ranges in hashed.items()}  # once: a rank writes thousands of items
+        summed = [dataclasses.replace(result, storage_data=_Summed(result.storage_data, _item_ranges(location, files, result)))
+                  for result in results]
+        future: Any = torch.futures.Future()
+        future.set_result(summed)
+        return future
+
+    def summed_finish(metadata: Any, results: List[List[Any]]) -> None:
+        files: Dict[str, List[Range]] = {}
+        plain = []
+        for rank_results in results:
+            row = []
+            for result in rank_results:
+                if isinstance(result.storage_data, _Summed):
+                    files.setdefault(result.storage_data.info.relative_path, []).extend(result.storage_data.ranges)
+                    result = dataclasses.replace(result, storage_data=result.storage_data.info)
+                row.append(result)
+            plain.append(row)
+        finish(metadata, plain)
+        name = _format.DCP_METADATA_FILENAME
+        of_index = [ranges for written_name, ranges in hashed.items() if written_name.startswith(name)]  # .metadata.tmp
+        files[name] = of_index[-1] if of_index else _hashed(location / name, 0, None)
+        written(location).update(files)
+        location.once("save id", dict)["id"] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+
+    storage.write_data, storage.finish = summed_write_data, summed_finish
+    return storage
+
+
+def _item_ranges(location: Location, files: Dict[str, Sums], result: Any) -> List[Range]:
+    """The ranges of one written item (``result``), named by its entry: as its stream hashed them, or (torch < 2.4)
+    hashed from the file now."""
+    info, entry = result.storage_data, result.index.fqn
+    start, end = info.offset, info.offset + info.length
+    if info.relative_path not in files:  # torch < 2.4: read back
+        return [r._replace(entry=entry) for r in _hashed(location / info.relative_path, start, end)]
+    return [r._replace(entry=entry) for r in files[info.relative_path].covering(start, end)]
+
+
+def _hashed(file: Location, start: int, end: Optional[int]) -> List[Range]:
+    data = file.read_bytes(start, end)
+    return [Range(start, len(data), _checksums.digest(data))]
+
+
+def _checking(storage: Any, location: Location) -> None:
+    """``storage`` (a DCP reader) hands torch DCP only bytes checked against ``location``'s checksums. torch < 2.4's
+    local reader opens its files itself: there the ranges a plan reads are checked (read once more) before it reads
+    them."""
+    if compat.streams_through_fs(storage):
+        storage.fs = _Files(storage.fs, location=location)
+        return
+    read_data = storage.read_data
+
+    def checked_read_data(plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            info = storage.storage_data[item.storage_index]
+            read(location, info.relative_path, info.offset, info.offset + info.length)
+        return read_data(plan, planner)
+
+    storage.read_data = checked_read_data
