@@ -16,7 +16,7 @@ import xxhash
 from lightning_fsdp_resume._checksums import DamagedCheckpointError
 from support.damage import flipped, largest_item, manifest, sharded_positions, zip_positions
 from support.flavours import NATIVE
-from support.marks import needs_cpu_fsdp
+from support.marks import TORCH, needs_cpu_fsdp
 from support.ranks import MID, config, worker
 
 patched_only = pytest.mark.skipif(NATIVE, reason="the shim's checksums")
@@ -141,14 +141,12 @@ def test_a_checkpoint_another_program_saved_over_in_place_is_told_from_damage(re
     """Native Lightning saves a sharded checkpoint in place, over this package's, whose checksums.json then stays: on
     torch >= 2.4 the index's save id tells the two saves apart, and it loads unverified with a warning; before, it
     is refused, saying how to load it."""
-    from lightning_fsdp_resume._torch_compat import torch_release
-
     run = reference("sharded", 0) / "ckpt"
     over = shutil.copytree(run / MID, tmp_path / "over.ckpt")
     for saved in (run / "epoch=0.ckpt").iterdir():
         if saved.name != "checksums.json":
             shutil.copyfile(saved, over / saved.name)
-    if torch_release() >= (2, 4):
+    if TORCH >= (2, 4):
         with pytest.warns(UserWarning, match=r"holds the checksums of another save than the checkpoint's"):
             _net().load_from_checkpoint(over)
     else:

@@ -6,9 +6,8 @@ import inspect
 import pytest
 import torch
 
-from lightning_fsdp_resume import _torch_compat as compat
 from support.flavours import PATCHABLE_FABRICS
-from support.marks import needs_patched_fabric
+from support.marks import TORCH, needs_patched_fabric
 
 pytestmark = needs_patched_fabric
 PACKAGE = PATCHABLE_FABRICS[0] if PATCHABLE_FABRICS else None
@@ -77,7 +76,7 @@ def test_load_raw_with_another_strategy_loads_the_state_dict(fabric, tmp_path):
     assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
 
 
-@pytest.mark.skipif(compat.torch_release() < compat.CPU_FSDP_MIN, reason=(
+@pytest.mark.skipif(TORCH < (2, 2), reason=(
     "torch < 2.2: destroying a gloo process group that served DDP in the test process hung once in CI (torch 2.1.2);"
     " the unwrapping is the same on every torch"))
 def test_load_raw_with_ddp_loads_the_modules_own_state_dict(tmp_path, process_group):

@@ -17,9 +17,8 @@ import torch
 
 from lightning_fsdp_resume import UnsafeCheckpointError, add_safe_globals
 from lightning_fsdp_resume._storage import checked, open_path
-from lightning_fsdp_resume._torch_compat import torch_release
 from support.flavours import NATIVE, TRAINER_UNDER_TEST
-from support.marks import needs_cpu_fsdp
+from support.marks import TORCH, needs_cpu_fsdp
 from support.poison import FULL_SITE, SHARDED_SITES, Hidden, poisoned
 from support.ranks import MID, config, worker
 from support.states import assert_ranks_identical
@@ -88,7 +87,7 @@ def test_a_type_the_user_admits_loads_by_default(tmp_path):
     try:
         assert checked.load_file(open_path(tmp_path / "own.ckpt", "load")) == {"mine": Admitted(3)}
     finally:
-        if torch_release() >= (2, 4):
+        if TORCH >= (2, 4):
             torch.serialization.clear_safe_globals()
         else:
             from lightning_fsdp_resume import _unpickling

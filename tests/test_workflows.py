@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from lightning_fsdp_resume import DISABLE_ENV
-from lightning_fsdp_resume._torch_compat import torch_release
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import NATIVE
-from support.marks import needs_cpu_fsdp
+from support.marks import TORCH, needs_cpu_fsdp
 from support.ranks import FULL_USE_ORIG_PARAMS, MID, config, worker
 from support.states import assert_identical, assert_ranks_identical, load
 from support.workflows import expected
@@ -154,7 +153,7 @@ def test_shard_grad_op_units_evaluate_the_weights_a_load_names(tmp_path, workflo
 
 
 @pytest.mark.skipif(NATIVE, reason="the shim's check after a load")
-@pytest.mark.skipif(torch_release() < (2, 5), reason="torch < 2.5: the shim loads the model through FSDP's own state-dict"
+@pytest.mark.skipif(TORCH < (2, 5), reason="torch < 2.5: the shim loads the model through FSDP's own state-dict"
                     " hooks, which write a kept gathered copy and the shards alike")
 def test_a_load_the_model_would_not_compute_with_is_refused_on_every_rank(tmp_path):
     """Were the gathered copy FSDP keeps after evaluation left in place (``faults.keep_gathered_copies``), the load
@@ -173,7 +172,7 @@ def test_a_load_the_model_would_not_compute_with_is_refused_on_every_rank(tmp_pa
 
 # torch >= 2.6 refuses stock 2.0.x's checkpoints before anything else (its weights_only default): the column is
 # measured where that does not hide what stock does with FSDP
-stock_only = pytest.mark.skipif(NATIVE or torch_release() >= (2, 6),
+stock_only = pytest.mark.skipif(NATIVE or TORCH >= (2, 6),
                                 reason="the stock column is Lightning 2.0.x without the shim, on torch < 2.6")
 
 
