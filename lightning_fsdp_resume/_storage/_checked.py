@@ -158,19 +158,16 @@ def load_file(location: Location, lazy: bool = False, map_location: Any = "cpu")
     """``torch.load`` of the full checkpoint file at ``location`` (onto the CPU unless ``map_location`` says
     otherwise), its zip records' CRC-32s checked first, restricted unless the location is trusted; ``lazy``:
     memory-mapped where the store and torch allow."""
-    source = location.load_source()
-    _checksums.check_torch_file(source, str(location))
-    return _unpickling.torch_load(source, lazy=lazy, trusted=location.trusted, name=repr(str(location)),
-                                  map_location=map_location)
+    return load_stream(location.load_source(), str(location), repr(str(location)), location.trusted, map_location, lazy)
 
 
-def load_stream(source: Any, name: str, refusal: str, trusted: bool, map_location: Any) -> Any:
-    """``torch.load`` of a full checkpoint given as a file object or a local filename outside any location (a
-    download), checked first where it can be re-read; ``name`` is what a damage report calls it, ``refusal`` what an
-    unpickling refusal does."""
+def load_stream(source: Any, name: str, refusal: str, trusted: bool, map_location: Any, lazy: bool = False) -> Any:
+    """``torch.load`` of a full checkpoint given as a file object or a local filename (a location's, or a download),
+    checked first where it can be re-read; ``name`` is what a damage report calls it, ``refusal`` what an unpickling
+    refusal does; ``lazy``: a filename memory-mapped where torch allows."""
     if not hasattr(source, "read") or source.seekable():
         _checksums.check_torch_file(source, name)
-    return _unpickling.torch_load(source, trusted=trusted, name=refusal, map_location=map_location)
+    return _unpickling.torch_load(source, lazy=lazy, trusted=trusted, name=refusal, map_location=map_location)
 
 
 def verify_file(location: Location) -> bool:

@@ -140,8 +140,8 @@ def expected(workflow: str, stock: bool = False):
     fails = WORKFLOWS[workflow].fails.get(here or "")
     if fails is None:  # passes, or (stock, sharded checkpoints) not tested
         return []
-    raises = failing_as(f"{here}: {fails.cell()}", fails.accepts)
-    return [pytest.mark.xfail(strict=True, raises=raises, reason=f"{here}: {fails.cell()}")]
+    reason = f"{here}: {fails.cell()}"
+    return [pytest.mark.xfail(strict=True, raises=failing_as(reason, fails.accepts), reason=reason)]
 
 
 def _cell(workflow: Workflow, column: str) -> str:
