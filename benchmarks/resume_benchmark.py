@@ -172,7 +172,7 @@ def verify_cold(python: str, checkpoint: Path) -> Dict[str, float]:
         with open(path, "rb") as handle:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    program = ("import json, sys; from lightning_fsdp_resume._integrity import verify;"
+    program = ("import json, sys; from lightning_fsdp_resume._verify_command import verify;"
                " print(json.dumps(verify(sys.argv[1], progress=False)._asdict()))")
     result = subprocess.run([python, "-c", program, str(checkpoint)], capture_output=True, text=True, env=_env(), check=False)
     if result.returncode != 0:
@@ -562,21 +562,21 @@ import json, sys, time
 from pathlib import Path
 import torch.distributed.checkpoint
 from peak_rss import PeakRss
-from lightning_fsdp_resume import _consolidate, _sharded_reader, _verify
+from lightning_fsdp_resume import _consolidate, _whole_read, _preflight
 from lightning_fsdp_resume._storage import checked, open_path
 src, dst, options = open_path(sys.argv[1], "read"), Path(sys.argv[2]), json.loads(sys.argv[3])
 index = checked.index(src)
 sizes = {key: entry.size.numel() * entry.properties.dtype.itemsize
          for key, entry in index.state_dict_metadata.items() if hasattr(entry, "properties")}
-selected = _sharded_reader.select_weights(src, index, _verify.read_meta(src), None)
+selected = _whole_read.select_weights(src, index, _preflight.read_meta(src), None)
 weights = [sizes[key] for keys in selected.keys.values() for key in keys if key in sizes]
 read_whole = options.pop("read_whole", False)
 if read_whole:
-    from lightning_fsdp_resume import _reader
+    from lightning_fsdp_resume import _lightning_reads
 with PeakRss() as phase:
     start = time.perf_counter()
     if read_whole:
-        checkpoint = _reader.read_whole(src)
+        checkpoint = _lightning_reads.read_whole(src)
     else:
         _consolidate.consolidate(src, dst, overwrite=True, progress=False, **options)
     seconds = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """Consolidate a sharded checkpoint directory into one full checkpoint file, in one process: a client of
-``_sharded_reader``, which reads it whole; this writes what it read.
+``_whole_read``, which reads it whole; this writes what it read.
 
-The result is what a full save of the same run writes (``_sharded_reader.read_full_checkpoint``). No process
+The result is what a full save of the same run writes (``_whole_read.read_full_checkpoint``). No process
 group, no model and no Lightning are needed. Memory: the one copy the reader allocates is written out.
 
 Weights only (``weights_only``, ``dtype``): the model's tensors alone are read, optionally cast. In the
@@ -12,7 +12,7 @@ import math
 import sys
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
-from . import _format, _safetensors, _sharded_reader, _storage, _verify
+from . import _format, _preflight, _safetensors, _storage, _whole_read
 from ._storage import Location, checked
 
 # Output formats: torch's checkpoint file (what a full save writes), or a safetensors file of the weights.
@@ -34,7 +34,7 @@ TRAINER_WEIGHTS_ONLY_KEYS = (
 def consolidate(
     src: Any, dst: Any, overwrite: bool = False, progress: bool = True, *, weights_only: bool = False,
     dtype: Optional[str] = None, format: str = TORCH, module: Optional[str] = None, trusted: bool = False,
-) -> _sharded_reader.Summary:
+) -> _whole_read.Summary:
     """Write the full checkpoint of the sharded checkpoint directory ``src`` to the file ``dst``.
 
     ``weights_only``: the model's weights without optimizer state or training metadata (see
@@ -50,26 +50,26 @@ def consolidate(
     src, dst = _storage.open_path(src, "read", trusted).resolve(), _storage.open_path(dst, "write")
     _check_options(weights_only, dtype, format, module)
     _check_destination(src, dst, overwrite)
-    _sharded_reader.check_torch()
+    _whole_read.check_torch()
     _check_source(src)
     if format == SAFETENSORS:
         return _write_safetensors(src, dst, dtype, module, progress)
     if weights_only:
         checkpoint, summary = _read_weights(src, dtype, module, progress)
     else:
-        checkpoint, summary = _sharded_reader.read_full_checkpoint(src, progress)
+        checkpoint, summary = _whole_read.read_full_checkpoint(src, progress)
     _say_writing(dst, progress)
     write_atomically(checkpoint, dst)
     return summary
 
 
-def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> Tuple[Dict[str, Any], _sharded_reader.Summary]:
+def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> Tuple[Dict[str, Any], _whole_read.Summary]:
     """The weights-only checkpoint of ``src``, reading the model's tensors alone."""
     metadata = checked.index(src)
-    meta = _verify.read_meta(src)
-    selected = _sharded_reader.select_weights(src, metadata, meta, module)
-    flat, tensor_bytes = _sharded_reader.read_flat(src, metadata, progress, [key for keys in selected.keys.values() for key in keys])
-    entries = _sharded_reader.nest(flat, metadata, src)
+    meta = _preflight.read_meta(src)
+    selected = _whole_read.select_weights(src, metadata, meta, module)
+    flat, tensor_bytes = _whole_read.read_flat(src, metadata, progress, [key for keys in selected.keys.values() for key in keys])
+    entries = _whole_read.nest(flat, metadata, src)
     cast = _torch_dtype(dtype)
     for state in entries.values():
         for name in state:
@@ -79,7 +79,7 @@ def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], pr
         checkpoint = {**kept, "state_dict": entries.get(_format.MODEL_KEY, {})}
     else:
         checkpoint = {entry: entries.get(entry, {}) for entry in selected.keys}
-    return checkpoint, _sharded_reader.Summary(selected.writer, selected.counts(), (), tensor_bytes)
+    return checkpoint, _whole_read.Summary(selected.writer, selected.counts(), (), tensor_bytes)
 
 
 def _torch_dtype(dtype: Optional[str]) -> Any:
@@ -100,15 +100,15 @@ def _cast(value: Any, dtype: Any) -> Any:
 # --- safetensors: one tensor at a time -------------------------------------------------------------
 
 
-def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> _sharded_reader.Summary:
+def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> _whole_read.Summary:
     """One module's weights as a safetensors file: the header from the shard index, then each tensor read
     from the shards, cast and written before the next is read."""
     metadata = checked.index(src)
-    meta = _verify.read_meta(src)
-    selected = _sharded_reader.select_weights(src, metadata, meta, module)
+    meta = _preflight.read_meta(src)
+    selected = _whole_read.select_weights(src, metadata, meta, module)
     if len(selected.keys) > 1:
         raise ValueError(
-            f"The Fabric checkpoint {str(src)!r} holds several modules ({_sharded_reader.quoted_names(list(selected.keys))}); a safetensors"
+            f"The Fabric checkpoint {str(src)!r} holds several modules ({_whole_read.quoted_names(list(selected.keys))}); a safetensors"
             " file holds one module's weights under its own key names. Pass --module NAME, once per module."
         )
     [(entry, stored_keys)] = selected.keys.items()
@@ -119,11 +119,11 @@ def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], modul
     keys = sorted(stored_keys, key=lambda key: -_written_dtype(metadata.state_dict_metadata[key], cast).itemsize)
     specs = [found[key] for key in keys]
     stored_bytes = sum(_stored_bytes(metadata.state_dict_metadata[key]) for key in keys)
-    bar = _sharded_reader.Progress(stored_bytes, f"reading {str(src)!r}", enabled=progress)
+    bar = _whole_read.Progress(stored_bytes, f"reading {str(src)!r}", enabled=progress)
 
     def chunks() -> Iterator[memoryview]:
         for key in keys:
-            tensor = _cast(_sharded_reader.read_tensor(src, key, metadata.state_dict_metadata[key], bar.advance), cast).contiguous()
+            tensor = _cast(_whole_read.read_tensor(src, key, metadata.state_dict_metadata[key], bar.advance), cast).contiguous()
             yield _memory_of(tensor)
             del tensor  # freed before the next one is read
 
@@ -136,7 +136,7 @@ def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], modul
         _write_atomically(dst, write)
     finally:
         bar.close()
-    return _sharded_reader.Summary(selected.writer, selected.counts(), (), stored_bytes)
+    return _whole_read.Summary(selected.writer, selected.counts(), (), stored_bytes)
 
 
 def _tensor_spec(src: Location, key: str, path: Sequence[Any], stored: Any, cast: Any) -> _safetensors.TensorSpec:
@@ -198,9 +198,9 @@ def _stored_bytes(stored: Any) -> int:
 def _check_options(weights_only: bool, dtype: Optional[str], format: str, module: Optional[str]) -> None:
     """Settings that contradict each other are refused before anything is read."""
     if format not in FORMATS:
-        raise ValueError(f"Unknown output format {format!r} (--format): choose {_sharded_reader.quoted_names(FORMATS)}.")
+        raise ValueError(f"Unknown output format {format!r} (--format): choose {_whole_read.quoted_names(FORMATS)}.")
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r} (--dtype): choose {_sharded_reader.quoted_names(list(DTYPES))}.")
+        raise ValueError(f"Unknown dtype {dtype!r} (--dtype): choose {_whole_read.quoted_names(list(DTYPES))}.")
     weights = weights_only or format == SAFETENSORS
     if dtype is not None and not weights:
         raise ValueError(
@@ -215,7 +215,7 @@ def _check_options(weights_only: bool, dtype: Optional[str], format: str, module
 
 def _check_source(src: Location) -> None:
     """Missing, incomplete or damaged sharded checkpoints are refused by the checks a load makes."""
-    if _verify.checkpoint_kind(src) == _verify.FULL:
+    if _preflight.checkpoint_kind(src) == _preflight.FULL:
         raise ValueError(
             f"{str(src)!r} is a file, not a sharded checkpoint directory: it is a full checkpoint already, or not"
             " a checkpoint. Pass the directory that FSDPStrategy(state_dict_type='sharded') wrote."

@@ -14,7 +14,7 @@ import importlib
 import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Set, Tuple
 
-from . import _format, _loading, _reader, _saving, _signature, _storage, _verify
+from . import _format, _lightning_reads, _loading, _preflight, _saving, _signature, _storage
 from . import _torch_compat as compat
 from ._storage import Location
 
@@ -125,7 +125,7 @@ class _RawLoad(_loading.Request):
         refusal = "Failed to load checkpoint directly into the model. The given path must be a single file containing the full state dict"
         entry = path.stat()
         if entry is None:
-            raise _verify.MissingCheckpointError(f"{refusal}: {path}. It does not exist.")
+            raise _preflight.MissingCheckpointError(f"{refusal}: {path}. It does not exist.")
         if entry.is_dir:
             sharded = any(name in path.listing() for name in (_format.METADATA_FILENAME, _format.DCP_METADATA_FILENAME))
             advice = "load it with `fabric.load(path, {'model': model})` instead" if sharded else "pass the state dict's file"
@@ -135,7 +135,7 @@ class _RawLoad(_loading.Request):
     def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> _loading.Restore:
         return _loading.Restore(
             module=self.module, prefix="", module_key="", optimizers={}, strict=self.strict, use_orig_params=False,
-            leniency=_verify.FABRIC_LENIENCY,
+            leniency=_preflight.FABRIC_LENIENCY,
         )
 
     def take(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
@@ -164,7 +164,7 @@ class _FabricLoad(_loading.Request):
     def check(self, path: Location) -> Tuple[_format.StateDictType, Set[str]]:
         """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
         kind, _ = super().check(path)
-        entries = _verify.checkpoint_entries(path, kind)
+        entries = _preflight.checkpoint_entries(path, kind)
         module_key = self.module_key
         missing = [key for key in [module_key, *self.requested] if key not in entries]
         if module_key in missing or (self.strict and missing):
@@ -191,7 +191,7 @@ class _FabricLoad(_loading.Request):
             optimizers={key: self.state[key] for key in self.optimizer_keys if key in entries},
             strict=self.strict,
             use_orig_params=self.use_orig_params,
-            leniency=_verify.FABRIC_LENIENCY,
+            leniency=_preflight.FABRIC_LENIENCY,
             modules={key: self.state[key] for key in self.module_keys if key in entries},
             optimizers_without_weights=not self.strict,
         )
@@ -342,7 +342,7 @@ def load_raw(self: Any, path: Any, obj: Any, strict: bool = True, *, weights_onl
     from torch.nn.parallel import DistributedDataParallel
 
     # other strategies of 2.0.x: what native 2.1's base one does, through the strategy's CheckpointIO
-    source = _reader.sharded_directory(path)
+    source = _lightning_reads.sharded_directory(path)
     if source is not None:
         _RawLoad(obj, strict, weights_only).check(source)  # a sharded checkpoint holds no single state dict: refused
     state = self._strategy.checkpoint_io.load_checkpoint(path)

@@ -14,7 +14,7 @@ import functools
 import re
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from . import _background, _format, _shard_layout, _storage, _verify
+from . import _background, _format, _preflight, _shard_layout, _storage
 from . import _torch_compat as compat
 from ._ranks import broadcast, decided_on_rank_zero, raise_found_on_any_rank, warn_rank_zero
 from ._storage import Location, checked
@@ -52,7 +52,7 @@ class Restore(NamedTuple):
     optimizers: Dict[str, Any]  # checkpoint entry -> optimizer to restore; empty: the weights only
     strict: bool  # refuse a checkpoint whose weights are not exactly the module's
     use_orig_params: bool  # the optimizers hold the original parameters, not FSDP's flat ones
-    leniency: str = _verify.TRAINER_LENIENCY  # how to load anyway, said when ``strict`` refuses
+    leniency: str = _preflight.TRAINER_LENIENCY  # how to load anyway, said when ``strict`` refuses
     # restore the optimizers even where the checkpoint lacks weights (Fabric's strict=False: a filter= save
     # of the trainable weights); the Trainer's fit needs every weight the optimizers step
     optimizers_without_weights: bool = False
@@ -72,7 +72,7 @@ class Request:
     def check(self, path: Location) -> Tuple[_format.StateDictType, Any]:
         """Rank 0, before anything loads: the checkpoint's kind once it is complete, and whatever else the caller
         checks (its verdict, which ``plan`` receives on every rank)."""
-        return _verify.checkpoint_kind(path), None
+        return _preflight.checkpoint_kind(path), None
 
     def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> Restore:
         """What to load, given how many optimizer states the checkpoint holds and rank 0's verdict."""
@@ -102,9 +102,9 @@ def load(strategy: Any, path: Any, request: Request) -> Dict[str, Any]:
         restore = request.plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
         _shard_layout.drop_gathered_copies(restore.module)
         load_sharded(path, restore, shards)
-        rest = _verify.read_meta(path)
+        rest = _preflight.read_meta(path)
     else:
-        rest = _verify.read_full(path, request.required)
+        rest = _preflight.read_full(path, request.required)
         stored = request.take(rest)
         restore = request.plan(path, _format.count_saved_optimizers(stored), verdict)
         optimizer_states = {key: stored[key] for key in restore.optimizers}
@@ -140,7 +140,7 @@ def _resolved_and_checked(target: str, request: Request, opened: Dict[str, Locat
 def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
     """Load ``restore`` from the sharded checkpoint at ``path`` whose index (``.metadata``) is ``shards``."""
     module, prefix, key = restore.module, restore.prefix, restore.module_key
-    stored = _verify.stored_model_shapes(shards, key)
+    stored = _preflight.stored_model_shapes(shards, key)
     shapes = model_parameter_shapes(module)
     if shapes is not None:
         # Read each rank's elements straight into its flat parameters: no state-dict template.
@@ -149,7 +149,7 @@ def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
         model_state: Dict[str, Any] = {}  # the torch < 2.5 optimizer loader makes it where it needs it
     else:
         model_state = _format.strip_prefix(compat.model_state_dict(module, full=False, offload=False), prefix)
-        keys = _loadable_keys(path, restore, _verify.tensor_shapes(model_state), stored)
+        keys = _loadable_keys(path, restore, _preflight.tensor_shapes(model_state), stored)
         container = {key: {name: value for name, value in model_state.items() if name in keys}}
         compat.load_distributed(container, checked.reader(path))
         model_state = container[key]
@@ -159,7 +159,7 @@ def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
     for other_key, other in restore.modules.items():
         # Saved whole by every rank (torch de-duplicates); every rank reads it whole.
         wanted = other.state_dict()
-        keys = _other_module_keys(path, restore, wanted, _verify.stored_model_shapes(shards, other_key))
+        keys = _other_module_keys(path, restore, wanted, _preflight.stored_model_shapes(shards, other_key))
         container = {other_key: {name: value for name, value in wanted.items() if name in keys}}
         compat.load_distributed(container, checked.reader(path))
         other.load_state_dict(container[other_key], strict=restore.strict)
@@ -177,8 +177,8 @@ def load_full(
     direct = shapes is not None  # copy each rank's elements into its flat parameters, gathering nothing
     if not direct:
         # Only the global shapes are wanted: the sharded template goes at once.
-        shapes = _verify.tensor_shapes(compat.model_state_dict(module, full=False, offload=False))
-    keys = _loadable_keys(path, restore, _format.strip_prefix(shapes, prefix), _verify.tensor_shapes(state_dict))
+        shapes = _preflight.tensor_shapes(compat.model_state_dict(module, full=False, offload=False))
+    keys = _loadable_keys(path, restore, _format.strip_prefix(shapes, prefix), _preflight.tensor_shapes(state_dict))
     state_dict = _format.add_prefix({name: value for name, value in state_dict.items() if name in keys}, prefix)
     if direct:
         _shard_layout.copy_model_into_shards(module, state_dict)
@@ -186,7 +186,7 @@ def load_full(
         compat.load_model_state_dict(module, state_dict, full=True, strict=restore.strict)
     for other_key, other in restore.modules.items():
         stored = other_states[other_key]
-        keys = _other_module_keys(path, restore, other.state_dict(), _verify.tensor_shapes(stored))
+        keys = _other_module_keys(path, restore, other.state_dict(), _preflight.tensor_shapes(stored))
         other.load_state_dict({name: value for name, value in stored.items() if name in keys}, strict=restore.strict)
     if not restore.optimizers:
         return
@@ -215,11 +215,11 @@ def names_by_group(restore: Restore, groups: List[List[str]]) -> List[List[str]]
 
 
 def _other_module_keys(path: Location, restore: Restore, wanted: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
-    return _verify.loadable_keys(path, _verify.tensor_shapes(wanted), stored, restore.strict, restore.leniency)
+    return _preflight.loadable_keys(path, _preflight.tensor_shapes(wanted), stored, restore.strict, restore.leniency)
 
 
 def _loadable_keys(path: Location, restore: Restore, expected: Dict[str, Any], stored: Dict[str, Any]) -> Set[str]:
-    keys = _verify.loadable_keys(path, expected, stored, restore.strict, restore.leniency)
+    keys = _preflight.loadable_keys(path, expected, stored, restore.strict, restore.leniency)
     missing = sorted(set(expected) - keys)
     if missing and restore.optimizers and not restore.optimizers_without_weights:
         raise RuntimeError(

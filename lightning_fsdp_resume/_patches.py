@@ -134,26 +134,26 @@ def FABRIC_PATCHES() -> Rows:
 # single-device or DDP ckpt_path, Fabric without FSDP): where it is defined and where modules bind it by name.
 @patches(FABRIC, "utilities.cloud_io")
 def CHECKPOINT_READER_PATCHES() -> Rows:
-    from . import _reader
+    from . import _lightning_reads
 
-    return {"_load": Wrap(_reader.wrap_load)}
+    return {"_load": Wrap(_lightning_reads.wrap_load)}
 
 
 @patches(FABRIC, "plugins.io.torch_io")
 def CHECKPOINT_READER_ALIAS_PATCHES() -> Rows:
-    from . import _reader
+    from . import _lightning_reads
 
-    return {"pl_load": Wrap(_reader.wrap_load)}
+    return {"pl_load": Wrap(_lightning_reads.wrap_load)}
 
 
 @patches(TRAINER, "core.saving")
 def LOAD_FROM_CHECKPOINT_PATCHES() -> Rows:
-    from . import _reader
+    from . import _lightning_reads
 
     return {
         **CHECKPOINT_READER_ALIAS_PATCHES.rows,
         # layers built in configure_sharded_model exist before the weights load
-        "_load_state": Wrap(_reader.wrap_load_state),
+        "_load_state": Wrap(_lightning_reads.wrap_load_state),
     }
 
 

@@ -8,7 +8,7 @@ alike by touching Lightning only through the strategy object. What Fabric's stra
 import functools
 from typing import Any, Callable, Dict, Optional
 
-from . import _background, _format, _loading, _rank_states, _ranks, _saving, _signature, _storage, _verify
+from . import _background, _format, _loading, _preflight, _rank_states, _ranks, _saving, _signature, _storage
 from . import _torch_compat as compat
 from ._storage import Location
 
@@ -307,7 +307,7 @@ def _prefix(self: Any) -> str:
 
 def _check_optimizer_count(self: Any, saved: int, path: Location) -> None:
     if saved == 0 and self.optimizers:
-        raise _verify.weights_only_error(path)
+        raise _preflight.weights_only_error(path)
     if saved != len(self.optimizers):
         raise RuntimeError(
             f"You have configured {len(self.optimizers)} optimizers but the checkpoint contains {saved} optimizers"

@@ -228,7 +228,7 @@ def _save_planner() -> Any:
 
     DCP lists a key where the first rank that writes a rectangle of it has it, so a save built from views of the
     flat shards (``_shard_views``), where rank 0 holds no rectangle of some parameters, would list those after all of
-    rank 0's; readers that number parameters by the modules' order (``_sharded_reader``) take it from that list.
+    rank 0's; readers that number parameters by the modules' order (``_whole_read``) take it from that list.
     Every rank's state dict names every parameter, so rank 0's order is the state dicts' own."""
     import dataclasses
 

@@ -134,7 +134,7 @@ def run_consolidate(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     """Exit status 0 when every byte checked out, 1 when something is damaged or missing, 2 when there is nothing to
     check against."""
-    from ._integrity import UncheckableError, verify
+    from ._verify_command import UncheckableError, verify
 
     try:
         verified = verify(args.path, progress=not args.quiet)

@@ -19,7 +19,7 @@ pytestmark = [needs_cpu_fsdp, needs_patched_trainer]
 def test_saves_with_async_checkpoint_io_are_complete_when_published(tmp_path, process_group, kind):
     import torch
 
-    from lightning_fsdp_resume._reader import read_whole
+    from lightning_fsdp_resume._lightning_reads import read_whole
     from lightning_fsdp_resume._storage import open_path
     from lightning_fsdp_resume.testing import enable_cpu_fsdp
     from support.states import full_weights

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fsdp_resume._integrity import verify
+from lightning_fsdp_resume._verify_command import verify
 from support.crash_chain import run_chain
 from support.flavours import NATIVE, VERSION
 from support.marks import TORCH, needs_cpu_fsdp, needs_patched_fabric

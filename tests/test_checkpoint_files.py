@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_fsdp_resume import _preflight
 from lightning_fsdp_resume import _torch_compat as compat
-from lightning_fsdp_resume import _verify
 from lightning_fsdp_resume._storage import _local, open_path
 from support.checkpoints import saved_epoch, trainer_checkpoint
 from support.flavours import PATCHABLE_TRAINERS, strategy_class
@@ -43,7 +43,7 @@ class TestAtomicSaves:
         path = save(tmp_path / "last.ckpt", 1)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
         assert {"meta.pt", ".metadata"} <= {p.name for p in path.iterdir()}
-        assert _verify.checkpoint_kind(open_path(path, "load")) == _verify.SHARDED and saved_epoch(path) == 1
+        assert _preflight.checkpoint_kind(open_path(path, "load")) == _preflight.SHARDED and saved_epoch(path) == 1
 
     @pytest.mark.parametrize("first,second", [("sharded", "sharded"), ("sharded", "full"), ("full", "sharded"), ("full", "full")])
     def test_overwriting_replaces_the_checkpoint_whole(self, tmp_path, first, second):
@@ -198,10 +198,10 @@ def test_what_is_not_a_checkpoint_is_refused_with_its_path(tmp_path, what, error
 
 def test_model_fit_check_honours_strict(tmp_path):
     model = {"a": (2, 3), "b": (3,)}
-    assert _verify.loadable_keys(tmp_path, model, {"a": (2, 3), "b": (3,), "extra": (1,)}, strict=False) == {"a", "b"}
-    assert _verify.loadable_keys(tmp_path, model, {"a": (2, 3)}, strict=False) == {"a"}
+    assert _preflight.loadable_keys(tmp_path, model, {"a": (2, 3), "b": (3,), "extra": (1,)}, strict=False) == {"a", "b"}
+    assert _preflight.loadable_keys(tmp_path, model, {"a": (2, 3)}, strict=False) == {"a"}
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: b\.\n\tUnexpected key\(s\) in state_dict: c\.\n.*strict_loading"):
-        _verify.loadable_keys(tmp_path, model, {"a": (2, 3), "c": (1,)}, strict=True)
+        _preflight.loadable_keys(tmp_path, model, {"a": (2, 3), "c": (1,)}, strict=True)
     with pytest.raises(RuntimeError, match=r"size mismatch for a: copying a param with shape torch\.Size\(\[3, 2\]\) from"
                        r" checkpoint, the shape in current model is torch\.Size\(\[2, 3\]\)\.$"):
-        _verify.loadable_keys(tmp_path, model, {"a": (3, 2), "b": (3,)}, strict=False)
+        _preflight.loadable_keys(tmp_path, model, {"a": (3, 2), "b": (3,)}, strict=False)

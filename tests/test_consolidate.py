@@ -17,7 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from lightning_fsdp_resume import _consolidate, _sharded_reader, _versions
+from lightning_fsdp_resume import _consolidate, _versions, _whole_read
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
 from lightning_fsdp_resume._storage import checked, open_path
@@ -115,7 +115,7 @@ def test_written_file_has_an_ordinary_mode(tmp_path):
 
 def test_progress_without_tqdm_prints_plain_lines(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
-    progress = _sharded_reader.Progress(4 * 2**20, "reading 'x'")
+    progress = _whole_read.Progress(4 * 2**20, "reading 'x'")
     for _ in range(4):
         progress.advance(2**20)
     progress.close()
@@ -661,7 +661,7 @@ def test_safetensors_reads_one_tensor_at_a_time_and_frees_it_before_the_next(han
 
 @needs_consolidate
 def test_failed_safetensors_write_leaves_the_destination_as_it_was(handmade, tmp_path, monkeypatch):
-    read, count = _sharded_reader.read_tensor, []
+    read, count = _whole_read.read_tensor, []
 
     def fail_on_the_third(*args):
         count.append(1)
@@ -670,7 +670,7 @@ def test_failed_safetensors_write_leaves_the_destination_as_it_was(handmade, tmp
         return read(*args)
 
     (tmp_path / "w.safetensors").write_bytes(b"old")
-    monkeypatch.setattr(_sharded_reader, "read_tensor", fail_on_the_third)
+    monkeypatch.setattr(_whole_read, "read_tensor", fail_on_the_third)
     with pytest.raises(OSError, match="disk full"):
         consolidate(handmade.trainer, tmp_path / "w.safetensors", overwrite=True, progress=False, format="safetensors")
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # no temporary file left behind

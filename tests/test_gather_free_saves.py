@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from lightning_fsdp_resume import _saving, _sharded_reader
+from lightning_fsdp_resume import _saving, _whole_read
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._storage import checked, open_path
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
@@ -21,7 +21,7 @@ pytestmark = [needs_cpu_fsdp, pytest.mark.skipif(NATIVE, reason="native Lightnin
 
 
 def _read(checkpoint):
-    return _sharded_reader.read_full_checkpoint(open_path(checkpoint, "load"))[0]
+    return _whole_read.read_full_checkpoint(open_path(checkpoint, "load"))[0]
 
 
 def _chunks(checkpoint):

@@ -187,7 +187,7 @@ def test_http_checkpoints_are_downloaded_where_torch_hub_keeps_them_and_read_res
     import torch
 
     from lightning_fsdp_resume import UnsafeCheckpointError
-    from lightning_fsdp_resume._reader import wrap_load
+    from lightning_fsdp_resume._lightning_reads import wrap_load
     from support.poison import Hidden
 
     served = tmp_path / "served"

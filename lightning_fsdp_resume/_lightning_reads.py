@@ -12,7 +12,7 @@ where torch.hub keeps it, any other path or URL through its store.
 import functools
 from typing import Any, Callable, Dict, Optional
 
-from . import _format, _loading, _sharded_reader, _signature, _storage, _verify
+from . import _format, _loading, _preflight, _signature, _storage, _whole_read
 from ._patcher import Patcher, Wrap
 from ._storage import Location, checked
 
@@ -110,14 +110,14 @@ def read_whole(path: Location, map_location: Any = None) -> Dict[str, Any]:
     Memory: each tensor is allocated once; a tensor moved elsewhere by ``map_location`` frees its CPU copy
     before the next moves, so the peak is the full state plus the largest tensor.
     """
-    _verify.checkpoint_kind(path)  # a partial, damaged or foreign directory: the same refusal as everywhere
-    _sharded_reader.check_torch()
-    checkpoint, summary = _sharded_reader.read_full_checkpoint(path)
+    _preflight.checkpoint_kind(path)  # a partial, damaged or foreign directory: the same refusal as everywhere
+    _whole_read.check_torch()
+    checkpoint, summary = _whole_read.read_full_checkpoint(path)
     if summary.writer == _format.FABRIC and len(summary.weights) == 1:
         (module_key,) = summary.weights
         modules = _format.modules_in_state_dict_order(checkpoint[module_key])
         for key in summary.optimizers:
-            checkpoint[key] = _sharded_reader.standard_optimizer_state(checkpoint[key], modules)
+            checkpoint[key] = _whole_read.standard_optimizer_state(checkpoint[key], modules)
     if map_location is None:
         return checkpoint
     return _placed(checkpoint, functools.partial(_place, map_location=map_location))

@@ -5,9 +5,9 @@ nothing is written.
 import time
 from typing import NamedTuple
 
-from . import _format, _sharded_reader, _storage
+from . import _format, _storage, _whole_read
+from ._preflight import MissingCheckpointError, listed_size, not_a_checkpoint
 from ._storage import checked
-from ._verify import MissingCheckpointError, listed_size, not_a_checkpoint
 
 
 class Verified(NamedTuple):
@@ -42,7 +42,7 @@ def verify(target: str, progress: bool = True) -> Verified:
         )
     files = path.listing()
     total = sum(file_sums.size for file_sums in sums.values())
-    bar = _sharded_reader.Progress(total, f"checking {str(path)!r}", enabled=progress, command="verify")
+    bar = _whole_read.Progress(total, f"checking {str(path)!r}", enabled=progress, command="verify")
     try:
         for relative, file_sums in sorted(sums.items()):
             file_sums.check_size(listed_size(path, files, relative))

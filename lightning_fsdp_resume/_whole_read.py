@@ -1,6 +1,6 @@
 """A sharded checkpoint directory read whole, in one process, with no process group, no model and no Lightning:
 the one reader of sharded checkpoints outside a training run. ``consolidate`` writes what it reads; the runtime
-reader (``_reader``) hands it to Lightning wherever Lightning reads a full checkpoint file.
+reader (``_lightning_reads``) hands it to Lightning wherever Lightning reads a full checkpoint file.
 
 ``read_full_checkpoint`` gives the full checkpoint in its writer's format (the Trainer's: the Lightning checkpoint of
 ``meta.pt`` with the weights under ``state_dict`` and ``optimizer_states`` in standard PyTorch format; Fabric's:
@@ -15,7 +15,7 @@ Memory: every tensor read is allocated once, empty, at its full size, and the sh
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import _format, _verify
+from . import _format, _preflight
 from . import _torch_compat as compat
 from ._storage import Location, checked
 
@@ -34,7 +34,7 @@ def read_full_checkpoint(src: Location, progress: bool = False) -> Tuple[Dict[st
     metadata = checked.index(src)
     flat, tensor_bytes = read_flat(src, metadata, progress)
     stored = nest(flat, metadata, src)
-    meta = _verify.read_meta(src)
+    meta = _preflight.read_meta(src)
     writer = _format.sharded_checkpoint_writer(stored, meta)
     if writer == _format.TRAINER:
         entries, weights, optimizers = _trainer_entries(stored)
