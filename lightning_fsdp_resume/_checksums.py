@@ -1,15 +1,9 @@
-"""Checksums of every byte a save writes, and their check on every read: a damaged checkpoint is refused, never
-trained on. No torch: the checksums of a sharded checkpoint live in its manifest (``checksums.json``, beside
-``.metadata``; native Lightning and torch ignore it), a full file's in torch's zip format itself.
-
-A sharded save hashes each file's bytes as they are written, in *ranges*: one per DCP storage item (a tensor chunk
-or a pickled entry) and one per small file, so that a read of any item, on any number of ranks, checks only what
-it reads. The hash is xxHash's XXH3 (64 bits, about 20 GB/s a core: a save's cost is the writing, not the hashing).
-A reader serves only bytes of ranges it has checked (``Checked``). A full checkpoint file (torch's zip format, any
-writer's) is checked against the CRC-32 zip stores for every record, pickle and tensors alike, before it is loaded.
-"""
+"""Checksums of every byte a save writes (XXH3 ranges, one per DCP item, carried after ``.metadata``'s pickle) and
+their check on every read; a full file's CRC-32 records in torch's zip format. A damaged checkpoint is refused,
+never trained on. No torch. The format and its reasons: docs/behaviour.md, "Damaged checkpoints"."""
 import bisect
 import contextlib
+import functools
 import io
 import json
 import mmap
@@ -21,9 +15,16 @@ import zipfile
 import zlib
 from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from ._format import RESUME_OR_COPY
+
 ALGORITHM = "xxh3_64"
 _FORMAT = "lightning_fsdp_resume.checksums"
-_VERSION = 1
+_VERSION = 2  # 1: checksums.json beside .metadata, with the save's id (not read: such checkpoints load unverified)
+# The manifest's place: after the index's pickle, then its length and this mark close ``.metadata``. A native index
+# ends with pickle's STOP, which no single flipped bit makes of the mark's last byte; any other ending is damage.
+_MARK = b"\nlightning_fsdp_resume.checksums\n"
+_LENGTH = struct.Struct(">Q")
+_STOP = b"."
 _ZIP_MAGIC = b"PK\x03\x04"
 CHUNK = 16 * 2**20  # what a whole-file check reads at once
 
@@ -56,25 +57,24 @@ def digest(data: Any) -> str:
 def damaged(name: str, start: int, end: int, entry: Optional[str], what: str) -> DamagedCheckpointError:
     held = f" (the entry {entry!r})" if entry else ""
     return DamagedCheckpointError(
-        f"The checkpoint file {name!r} is damaged: bytes {start}-{end}{held} {what}. Nothing was loaded from them;"
-        " resume from another checkpoint, or copy this one again from where it was saved." + _SAVED_OVER
+        f"The checkpoint file {name!r} is damaged: bytes {start}-{end}{held} {what}. Nothing was loaded from them. "
+        + RESUME_OR_COPY
     )
 
 
-# What to do where the damage may be another program's save over a sharded checkpoint: torch < 2.4 gives no save id
-# to tell the two apart (``Manifest.save``).
-_SAVED_OVER = (" If a program that saves in place (native Lightning) saved over this checkpoint, its checksums are of the"
-               " earlier save: remove checksums.json beside it to load it unverified.")
+def damaged_file(name: str, what: Any) -> DamagedCheckpointError:
+    return DamagedCheckpointError(f"The checkpoint file {name!r} is damaged: {what}. Nothing was loaded from it. {RESUME_OR_COPY}")
 
 
 class Sums:
     """One file's ranges, as its save hashed them (sorted, back to back from byte 0: every byte is in one)."""
 
-    def __init__(self, name: str, ranges: Sequence[Range]) -> None:
+    def __init__(self, name: str, ranges: Sequence[Range], trailer: int = 0) -> None:
         self.name = name
         self.ranges = sorted(ranges)
         self.starts = [r.offset for r in self.ranges]
-        self.size = self.ranges[-1].offset + self.ranges[-1].length if self.ranges else 0
+        self.hashed = self.ranges[-1].offset + self.ranges[-1].length if self.ranges else 0
+        self.size = self.hashed + trailer  # the file's: ``.metadata`` goes on with the manifest
 
     def covering(self, start: int, end: int) -> List[Range]:
         """The ranges that make up [start, end) exactly; refused where a boundary falls inside one."""
@@ -109,54 +109,63 @@ class Sums:
         if size != self.size:
             found = "missing" if size is None else f"{size} bytes"
             raise DamagedCheckpointError(
-                f"The checkpoint file {self.name!r} is {found}; its save wrote {self.size} bytes. Resume from another"
-                " checkpoint, or copy this one again from where it was saved." + _SAVED_OVER
+                f"The checkpoint file {self.name!r} is {found}; its save wrote {self.size} bytes. {RESUME_OR_COPY}"
             )
 
 
 # --- the manifest -----------------------------------------------------------------------------------------------
 
 
-class Manifest(NamedTuple):
-    """A sharded checkpoint's checksums: each file's ranges, and the id torch DCP (>= 2.4) gave the save that wrote
-    them (None before), which tells a checkpoint another program saved over in place from a damaged one."""
-
-    files: Dict[str, Sums]
-    save: Optional[str]
-
-
-def manifest_bytes(files: Mapping[str, Sequence[Range]], save: Optional[str] = None) -> bytes:
-    """The manifest of a save's ``files`` (name relative to the checkpoint -> ranges), with a hash of its own."""
+def with_manifest(index: bytes, files: Mapping[str, Sequence[Range]]) -> bytes:
+    """``.metadata``'s bytes (``index``, DCP's pickle) followed by the manifest of a save's ``files`` (name relative to
+    the checkpoint -> ranges), which carries a hash of its own."""
     listed = {name: [list(r) for r in sorted(ranges)] for name, ranges in sorted(files.items())}
-    return json.dumps({_FORMAT: _VERSION, "algorithm": ALGORITHM, "digest": digest(_canonical(listed, save)),
-                       "save": save, "files": listed}, separators=(",", ":")).encode()
+    manifest = json.dumps({_FORMAT: _VERSION, "algorithm": ALGORITHM, "digest": digest(_canonical(listed)),
+                           "files": listed}, separators=(",", ":")).encode()
+    return index + manifest + _LENGTH.pack(len(manifest)) + _MARK
 
 
-def _canonical(listed: Any, save: Any) -> bytes:
-    return json.dumps({"files": listed, "save": save}, sort_keys=True, separators=(",", ":")).encode()
+def _canonical(listed: Any) -> bytes:
+    return json.dumps({"files": listed}, sort_keys=True, separators=(",", ":")).encode()
 
 
-def parse_manifest(data: bytes, name: str, directory: str) -> Manifest:
-    """The ranges of every file a manifest lists; a damaged manifest, or one of a newer format, is refused."""
+def manifest_of(data: bytes, directory: str, relative: str) -> Optional[Dict[str, Sums]]:
+    """The ranges of every file the manifest closing ``data`` (the bytes of ``.metadata``, ``relative`` to the
+    checkpoint ``directory``) lists; None where it ends as DCP writes it (native's, or an older lightning_fsdp_resume's
+    checkpoint). A damaged ending or manifest, or one of a newer format, is refused."""
+    if data.endswith(_STOP):
+        return None
+    name = f"{directory}/{relative}"
+
     def refused(what: str) -> DamagedCheckpointError:
-        return DamagedCheckpointError(f"The checksums {name!r} {what}. Resume from another checkpoint.")
+        return damaged_file(name, f"the checksums that close it {what}")
 
+    end = len(data) - len(_MARK) - _LENGTH.size
+    if not data.endswith(_MARK) or end < 0 or _LENGTH.unpack_from(data, end)[0] > end:
+        raise DamagedCheckpointError(
+            f"The checkpoint file {name!r} is damaged. The shard index {name!r} cannot be read: it ends neither as torch"
+            f" writes it nor with this package's checksums. Nothing was loaded from it. {RESUME_OR_COPY}")
+    start = end - _LENGTH.unpack_from(data, end)[0]
     try:
-        manifest = json.loads(data.decode())
-        listed, save = manifest["files"], manifest.get("save")
-        body = _canonical(listed, save)
+        manifest = json.loads(data[start:end].decode())
+        listed = manifest["files"]
+        body = _canonical(listed)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise refused(f"are damaged ({error})") from error
+        raise refused(f"cannot be read ({error})") from error
     if manifest.get(_FORMAT, 0) > _VERSION or manifest.get("algorithm") != ALGORITHM:
         raise refused(f"are of a format this lightning_fsdp_resume does not read ({manifest.get(_FORMAT)},"
                       f" {manifest.get('algorithm')!r}); upgrade it")
     if manifest.get("digest") != digest(body):
-        raise refused("are damaged (their own checksum does not match)")
+        raise refused("do not match their own checksum")
     try:
         files = {relative: Sums(f"{directory}/{relative}", [Range(*r) for r in ranges]) for relative, ranges in listed.items()}
     except TypeError as error:
-        raise refused(f"are damaged ({error})") from error
-    return Manifest(files, save if isinstance(save, str) else None)
+        raise refused(f"cannot be read ({error})") from error
+    index = files.get(relative)
+    if index is None or index.hashed != start:
+        raise refused("do not cover the index before them")
+    files[relative] = Sums(index.name, index.ranges, trailer=len(data) - start)
+    return files
 
 
 # --- hashing what is written, checking what is read ---------------------------------------------------------------
@@ -212,7 +221,7 @@ class Checked(io.RawIOBase):
         self._position = 0
         self._held: Optional[Tuple[int, memoryview]] = None
         self._map: Optional[mmap.mmap] = None  # the held range's map, unmapped when a read leaves it
-        self._local = _mapped(raw, probe=True) is not None
+        self._local = _mappable(raw)
 
     def readable(self) -> bool:
         return True
@@ -287,15 +296,21 @@ class Checked(io.RawIOBase):
         super().close()
 
 
-def _mapped(raw: Any, offset: int = 0, length: int = 0, probe: bool = False) -> Any:
+def _mappable(raw: Any) -> bool:
+    """Whether ``raw`` is a local file ``_mapped`` can map (fsspec's streams, say, are not)."""
+    try:
+        os.fstat(raw.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
+    return True
+
+
+def _mapped(raw: Any, offset: int = 0, length: int = 0) -> Optional[mmap.mmap]:
     """``length`` bytes of ``raw`` from ``offset`` (a multiple of the allocation granularity; 0: to the end)
-    memory-mapped where it is a local file; None for other streams (fsspec's, say) and past the file's end.
-    ``probe``: only whether it can be, without mapping anything (True, or None)."""
+    memory-mapped where it is a local file; None for other streams and past the file's end."""
     try:
         descriptor = raw.fileno()
         size = os.fstat(descriptor).st_size
-        if probe:
-            return True
         if size <= offset:
             return None
         return mmap.mmap(descriptor, min(length or size, size - offset), offset=offset, access=mmap.ACCESS_READ)
@@ -363,12 +378,6 @@ def check_zip(source: Any, name: str) -> None:
     """Every record of a torch checkpoint file (``source``: a filename or a seekable file object) matches the
     CRC-32 its writer stored, the pickle and every tensor, and its local header says what the central directory says
     of it (name, sizes, CRC-32, time). torch's loader checks none of them."""
-    def refused(what: Any) -> DamagedCheckpointError:
-        return DamagedCheckpointError(
-            f"The checkpoint file {name!r} is damaged: {what}. Nothing was loaded from it; resume from another"
-            " checkpoint, or copy this one again from where it was saved."
-        )
-
     try:
         with zipfile.ZipFile(source) as archive, _whole_view(source) as view:
             raw: Any = archive.fp
@@ -376,17 +385,17 @@ def check_zip(source: Any, name: str) -> None:
                 raw.seek(record.header_offset)
                 header = struct.unpack(_LOCAL_HEADER, raw.read(struct.calcsize(_LOCAL_HEADER)))
                 told = (*_dos_time(record.date_time), record.CRC, record.compress_size, record.file_size)
-                _agree(record.filename, header[5:10], told, refused, zeroed=bool(header[3] & _DESCRIPTOR))
+                _agree(record.filename, header[5:10], told, functools.partial(damaged_file, name), zeroed=bool(header[3] & _DESCRIPTOR))
                 local_name = raw.read(header[10]).decode("utf-8" if header[3] & 0x800 else "cp437")
                 if local_name != record.orig_filename:
-                    raise refused(f"the local header of {record.filename!r} names {local_name!r}")
+                    raise damaged_file(name, f"the local header of {record.filename!r} names {local_name!r}")
                 start = record.header_offset + struct.calcsize(_LOCAL_HEADER) + header[10] + header[11]
                 if view is not None and record.compress_type == zipfile.ZIP_STORED:
                     data = view[start:start + record.compress_size]  # no copy: the page cache, or the bytes read
                     whole = len(data) == record.compress_size and zlib.crc32(data) == record.CRC
                     data.release()  # before any raise: a view left would keep the map from closing
                     if not whole:
-                        raise refused(f"the record {record.filename!r} does not match its CRC-32")
+                        raise damaged_file(name, f"the record {record.filename!r} does not match its CRC-32")
                 else:
                     with archive.open(record) as stream:
                         while stream.read(CHUNK):
@@ -397,13 +406,13 @@ def check_zip(source: Any, name: str) -> None:
                     found = raw.read(4)
                     fields = raw.read(20 if wide else 12) if found == _DESCRIPTOR_MAGIC else found + raw.read(16 if wide else 8)
                     descriptor = struct.unpack("<LQQ" if wide else "<LLL", fields)
-                    _agree(record.filename, (0, 0, *descriptor), told, refused)
+                    _agree(record.filename, (0, 0, *descriptor), told, functools.partial(damaged_file, name))
     except zipfile.BadZipFile as error:
-        raise refused(error) from error
+        raise damaged_file(name, error) from error
     except (OSError, EOFError, ValueError, NotImplementedError, struct.error, UnicodeDecodeError) as error:
         if isinstance(error, DamagedCheckpointError):
             raise
-        raise refused(f"its zip records cannot be read ({error})") from error
+        raise damaged_file(name, f"its zip records cannot be read ({error})") from error
     finally:
         if hasattr(source, "seek"):
             source.seek(0)

@@ -1,13 +1,6 @@
-"""The checkpointing native Fabric 2.1 gave its ``FSDPStrategy`` and ``Fabric``, for Lightning 2.0.x.
-
-Written as methods: ``self`` is the strategy (``save_checkpoint``, ``load_checkpoint``) or the ``Fabric``
-(``save``, ``load``, ``load_raw``). Nothing here knows about patching; the tables in ``_patches`` put these
-on the classes. Works for ``lightning.fabric`` and ``lightning_fabric`` alike. A sharded checkpoint holds
-each module and optimizer under the user's own key in ``torch.distributed.checkpoint`` files and everything
-else in ``meta.pt``; a full one is one file of the same entries.
-
-Fabric 2.0.x's base strategy gathered the full model on every rank, kept rank 0's optimizer shard only,
-failed to load the model and silently gave every rank rank 0's optimizer shard.
+"""The checkpointing native Fabric 2.1 gave its ``FSDPStrategy`` and ``Fabric``, for Fabric 2.0.x (both flavours), as
+methods: ``self`` is the strategy (``save_checkpoint``, ``load_checkpoint``) or the ``Fabric`` (``save``, ``load``,
+``load_raw``). Nothing here knows about patching: the tables in ``_patches`` put these on the classes.
 """
 import functools
 import importlib
@@ -44,7 +37,8 @@ def save_checkpoint(
     _refuse_old_torch()
     _storage.open_path(path, "save")  # before the state is checked: a URL no fsspec implementation serves is refused first
     _saving.refuse_storage_options(storage_options)
-    full = _saving.is_full(self)
+    kind = _saving.state_dict_type(self)
+    full = kind == _format.FULL
     if filter is not None and not full:
         raise NotImplementedError(
             "FSDP doesn't support loading sharded filtered checkpoints, so saving them is disabled."
@@ -56,21 +50,23 @@ def save_checkpoint(
     metadata: Dict[str, Any] = {}
     for key, obj in state.items():
         if obj is module:
-            converted, into = _saving.model_state(obj, full=full, offload=offload), stored
+            converted, into = _saving.model_state(obj, kind, offload=offload), stored
         elif isinstance(obj, Module):  # a module without FSDP units beside the FSDP one: its own state dict
             converted, into = compat.model_state_dict(obj, full=full, offload=offload), stored
         elif isinstance(obj, Optimizer):
-            converted, into = _saving.optimizer_state(module, obj, full=full, offload=offload), stored
+            converted, into = _saving.optimizer_state(module, obj, kind, offload=offload), stored
         else:
             converted, into = (obj.state_dict() if _is_stateful(obj) else obj), metadata
         _keep(key, (filter or {}).get(key), converted, into)
     background = _saving.in_background(self, asked=getattr(self, "_async_save", False))
     if full:
         # Rank 0 alone holds the gathered entries; only it writes.
-        _saving.write_full(self, path, {**stored, **metadata}, _saving.save_torch_file, background)
+        write_full = _saving.write_full_in_background if background else _saving.write_full
+        write_full(self, path, {**stored, **metadata}, _saving.save_torch_file)
     else:
         optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
-        _saving.write_sharded(self, path, stored, metadata, background, module, optimizers, module_key)
+        write_sharded = _saving.write_sharded_in_background if background else _saving.write_sharded
+        write_sharded(self, path, stored, metadata, module, optimizers, module_key)
 
 
 def load_checkpoint(
@@ -100,8 +96,7 @@ def load_checkpoint(
             f" Load it with its model: `fabric.load({str(path)!r}, {{'model': model, 'optimizer': optimizer}})`."
         )
     module_key, module = _the_fsdp_module(state, "load", path)
-    use_orig_params = bool(getattr(self, "_ddp_kwargs", {}).get("use_orig_params", False))
-    request = _FabricLoad(state, module_key, module, strict, use_orig_params, weights_only)
+    request = _FabricLoad(state, module_key, module, strict, weights_only)
     remainder = _loading.load(self, path, request)
     for key in request.other_keys:
         if key in remainder:
@@ -134,8 +129,7 @@ class _RawLoad(_loading.Request):
 
     def plan(self, path: Location, saved_optimizers: int, verdict: Any) -> _loading.Restore:
         return _loading.Restore(
-            module=self.module, prefix="", module_key="", optimizers={}, strict=self.strict, use_orig_params=False,
-            leniency=_preflight.FABRIC_LENIENCY,
+            module=self.module, prefix="", module_key="", optimizers={}, strict=self.strict, leniency=_preflight.FABRIC_LENIENCY,
         )
 
     def take(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
@@ -146,14 +140,13 @@ class _FabricLoad(_loading.Request):
     """``fabric.load(path, state)``: the FSDP module under ``module_key``, the optimizers and the modules without FSDP
     units beside it, each under its key; rank 0 checks that the checkpoint holds what ``state`` asks for."""
 
-    def __init__(self, state: Mapping[str, Any], module_key: str, module: Any, strict: bool, use_orig_params: bool,
+    def __init__(self, state: Mapping[str, Any], module_key: str, module: Any, strict: bool,
                  weights_only: Optional[bool]) -> None:
         from torch.nn import Module
         from torch.optim import Optimizer
 
         super().__init__(weights_only)
         self.state, self.module_key, self.module, self.strict = state, module_key, module, strict
-        self.use_orig_params = use_orig_params
         self.optimizer_keys = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
         # modules without FSDP units: a sharded save stores them with the shards, so they are loaded from there too
         self.module_keys = [key for key, obj in state.items() if isinstance(obj, Module) and key != module_key]
@@ -190,7 +183,6 @@ class _FabricLoad(_loading.Request):
             module_key=self.module_key,
             optimizers={key: self.state[key] for key in self.optimizer_keys if key in entries},
             strict=self.strict,
-            use_orig_params=self.use_orig_params,
             leniency=_preflight.FABRIC_LENIENCY,
             modules={key: self.state[key] for key in self.module_keys if key in entries},
             optimizers_without_weights=not self.strict,

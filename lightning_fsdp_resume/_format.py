@@ -1,12 +1,6 @@
-"""The on-disk checkpoint format, as small pure functions. No torch, no Lightning, no Trainer state.
-
-A *sharded* checkpoint is a directory written by ``torch.distributed.checkpoint``, plus ``meta.pt``
-holding everything else: the Trainer's stores the model under the key ``model`` and optimizer ``i`` under
-``optimizer_{i}``; Fabric's stores each module and optimizer under the user's own key. A *full* checkpoint
-is one file: the Trainer's an ordinary Lightning checkpoint, Fabric's a dict of the same entries as its
-sharded one. In all, parameter names are the module's own (no wrapper prefix), which is what native
-Lightning 2.1+ writes.
-"""
+"""The on-disk checkpoint format as small pure functions: which files a sharded directory or a full file holds,
+the Trainer's and Fabric's entry keys, parameter names without wrapper prefixes (as native 2.1+ writes them), and
+the wording of refusals every layer shares. No torch, no Lightning."""
 import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Literal, Sequence
@@ -22,8 +16,12 @@ STATE_DICT_TYPES = (FULL, SHARDED)
 METADATA_FILENAME = "meta.pt"
 # torch.distributed.checkpoint's own index of a sharded checkpoint: what each key holds and where.
 DCP_METADATA_FILENAME = ".metadata"
-# The checksums of every file of a sharded checkpoint this package saved (``_checksums``); others read past it.
-CHECKSUMS_FILENAME = "checksums.json"
+# Where lightning_fsdp_resume before the manifest moved into ``.metadata`` kept it; no longer read, but a save may
+# replace a directory that holds one.
+OLD_CHECKSUMS_FILENAME = "checksums.json"
+# What every refusal of a damaged or incomplete checkpoint tells the user to do.
+RESUME_ELSEWHERE = "Resume from another checkpoint."
+RESUME_OR_COPY = "Resume from another checkpoint, or copy this one again from where it was saved."
 MODEL_KEY = "model"
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)(?:\.|$)")
 # The Trainer writes it into every checkpoint, from 2.0 on; Fabric writes only what the user's state holds.
@@ -50,7 +48,7 @@ def optimizer_key(index: int) -> str:
 
 def is_replaceable_directory(path: Path) -> bool:
     """A directory a save may replace: empty, or holding only what a sharded checkpoint holds."""
-    return all(p.name in (METADATA_FILENAME, DCP_METADATA_FILENAME, CHECKSUMS_FILENAME) or p.suffix == ".distcp" for p in path.iterdir())
+    return all(p.name in (METADATA_FILENAME, DCP_METADATA_FILENAME, OLD_CHECKSUMS_FILENAME) or p.suffix == ".distcp" for p in path.iterdir())
 
 
 def count_saved_optimizers(storage_keys: Iterable[str]) -> int:

@@ -1,12 +1,6 @@
-"""What the Trainer's and Fabric's FSDP strategies do alike when loading: the one load routine (``load``) that
-takes the path rank 0 names, has rank 0 check the checkpoint, and loads one FSDP module with its optimizers
-straight into their shards, from a sharded directory or a full file.
-
-What differs between the callers is a ``Request`` each makes: which checkpoint entries hold the module and the
-optimizers, the module's name prefix, strictness, what else rank 0 checks. Each rank reads the checkpoint through
-one location, so each file once. Where torch >= 2.2 allows, weights and optimizer states go straight into the
-shards (``_shard_layout``, handed the location's checked reader); elsewhere through torch's loaders (``_torch_compat``).
-Nothing here knows about patching or about the Trainer or Fabric.
+"""The load routine both FSDP strategies share (``load``): rank 0 names and checks the checkpoint, then one FSDP module
+and its optimizers load into their shards, from a sharded directory or a full file; a caller's differences come in a
+``Request``, the user's ``weights_only`` through ``loads_with``. No patching here, and no import of Lightning.
 """
 import contextlib
 import contextvars
@@ -51,7 +45,6 @@ class Restore(NamedTuple):
     module_key: str  # the checkpoint entry holding the module's weights
     optimizers: Dict[str, Any]  # checkpoint entry -> optimizer to restore; empty: the weights only
     strict: bool  # refuse a checkpoint whose weights are not exactly the module's
-    use_orig_params: bool  # the optimizers hold the original parameters, not FSDP's flat ones
     leniency: str = _preflight.TRAINER_LENIENCY  # how to load anyway, said when ``strict`` refuses
     # restore the optimizers even where the checkpoint lacks weights (Fabric's strict=False: a filter= save
     # of the trainable weights); the Trainer's fit needs every weight the optimizers step
@@ -206,7 +199,7 @@ def load_full(
 def names_by_group(restore: Restore, groups: List[List[str]]) -> List[List[str]]:
     """Parameter names per group, in the order a non-FSDP optimizer over the same parameters numbers them."""
     groups = [list(names) for names in groups]
-    if restore.use_orig_params:
+    if compat.uses_orig_params(restore.module):
         return groups  # the optimizer holds the original parameters in the user's order
     prefix = restore.prefix
     modules = [_format.clean_module_name(name) for name, _ in restore.module.named_modules()]

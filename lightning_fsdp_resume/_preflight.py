@@ -31,7 +31,7 @@ def checkpoint_kind(path: Location) -> _format.StateDictType:
         raise MissingCheckpointError(_missing(path))
     if not entry.is_dir:
         if entry.size == 0:
-            raise ValueError(f"The checkpoint file {str(path)!r} is empty. Resume from another checkpoint.")
+            raise ValueError(f"The checkpoint file {str(path)!r} is empty. {_format.RESUME_ELSEWHERE}")
         return FULL
     _check_sharded(path)
     return SHARDED
@@ -43,7 +43,7 @@ def _missing(path: Location) -> str:
 
 def _check_sharded(path: Location) -> None:
     index = path / _INDEX
-    incomplete = " Its save did not finish or it was damaged; resume from another checkpoint."
+    incomplete = f" Its save did not finish or it was damaged. {_format.RESUME_ELSEWHERE}"
     files = path.listing()  # one listing answers for every file below
     if not files:
         raise ValueError(f"{not_a_checkpoint(path)}: it is an empty directory.")

@@ -1,10 +1,6 @@
-"""What the Trainer's and Fabric's FSDP strategies do alike when saving: read ``state_dict_type``, and put a
-checkpoint at its path only once it is complete (the previous one stays whole until then).
-
-``strategy`` is either strategy object; what differs between the two (what a checkpoint holds, how a
-full one is written) is passed in. Where the checkpoint lives, and how its store publishes it, is the
-location's (``_storage``); this module keeps the order of a save. Nothing here knows about patching or about
-the Trainer or Fabric (the Trainer's ``AsyncCheckpointIO`` is ``_strategy``'s).
+"""What both FSDP strategies do alike when saving: ``state_dict_type``, the state dicts (views of the shards, or
+FSDP's), and the order of a save, foreground or background, that puts a checkpoint at its path only once complete (its
+store's publishing is the location's, ``_storage``). Nothing here knows about patching, the Trainer or Fabric.
 """
 import functools
 import secrets
@@ -17,11 +13,12 @@ from ._ranks import barrier, broadcast, decided_on_rank_zero, warn_rank_zero
 from ._storage import Location, checked
 
 
-def is_full(strategy: Any) -> bool:
+def state_dict_type(strategy: Any) -> _format.StateDictType:
+    """The strategy's ``state_dict_type``: what its saves write."""
     kind = getattr(strategy, "_state_dict_type", _format.FULL)
     if kind not in _format.STATE_DICT_TYPES:
         raise ValueError(f"Unknown state_dict_type: {kind}")
-    return kind == _format.FULL
+    return kind
 
 
 def offload(module: Any) -> bool:
@@ -57,15 +54,17 @@ def in_background(strategy: Any, asked: bool) -> bool:
     return False
 
 
-def model_state(module: Any, full: bool, offload: bool) -> Dict[str, Any]:
+def model_state(module: Any, kind: _format.StateDictType, offload: bool) -> Dict[str, Any]:
     """This rank's model state dict, to save. Full: gathered on rank 0. Sharded: views of its flat shards, or FSDP's
     (``_built``; ``offload``: its shards moved to the host)."""
+    full = kind == _format.FULL
     build = functools.partial(compat.model_state_dict, module, full=full, offload=offload)
     return build() if full else _built(_shard_views.model_state, (module,), build)
 
 
-def optimizer_state(module: Any, optimizer: Any, full: bool, offload: bool) -> Dict[str, Any]:
+def optimizer_state(module: Any, optimizer: Any, kind: _format.StateDictType, offload: bool) -> Dict[str, Any]:
     """This rank's optimizer state dict, keyed by parameter name, to save, as ``model_state``."""
+    full = kind == _format.FULL
     build = functools.partial(compat.optimizer_state_dict, module, optimizer, full=full, offload=offload)
     return build() if full else _built(_shard_views.optimizer_state, (module, optimizer), build)
 
@@ -106,8 +105,8 @@ def with_rank_zeros_buffers(strategy: Any, model_state: Dict[str, Any]) -> Dict[
     return {name: value for name, value in model_state.items() if compat.is_shard(value)}
 
 
-def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any], background: bool,
-                  module: Any, optimizers: Iterable[Any], model_key: str = _format.MODEL_KEY) -> None:
+def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any], module: Any,
+                  optimizers: Iterable[Any], model_key: str = _format.MODEL_KEY) -> None:
     """Every rank writes its shards of ``stored`` and rank 0 ``metadata`` (``meta.pt``) into a hidden partial
     sibling; rank 0 puts it at ``filepath`` once every rank has finished. The buffers of the model's entry
     (``model_key``) are rank 0's (``with_rank_zeros_buffers``): the Trainer and Fabric save alike.
@@ -116,28 +115,38 @@ def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata
     previous checkpoint at ``filepath`` stays intact until the new one is complete: on a local disk the partial
     directory is renamed into place, at a URL its pointer is written (``_storage``).
 
-    ``background``: return once the state is in host memory, where training cannot change it: the entries of
-    ``stored`` that share the storage of a tensor training changes (``module``'s and ``optimizers``',
-    ``training_tensors``) are copied, ``metadata`` all; torch's ``async_save`` writes the shards, and rank 0 publishes once every rank's are
-    written (``_background``).
+    ``module`` and ``optimizers``: what training changes (``write_sharded_in_background`` copies it).
     """
-    _background.wait(strategy)
-    if model_key in stored:
-        stored[model_key] = with_rank_zeros_buffers(strategy, stored[model_key])
-    path, partial = _destination(strategy, filepath, full=False)
-    if background:
-        staged = _background.staging(strategy)
-        live = _background.Live(training_tensors(module, optimizers))
-        stored, metadata = _background.host_copy(stored, live, staged), _background.host_copy(metadata)
-        written = _started(lambda: _start_shards(partial, stored, _background.process_group(strategy)))
-        _background.start(strategy, path, written.result, functools.partial(_publish_sharded, partial, path, metadata))
-        return
+    path, partial = _sharded_destination(strategy, filepath, stored, model_key)
     with path.reported():
         partial.mkdir()
         compat.save_distributed(stored, checked.writer(partial))
         barrier(strategy)  # every rank's shards are written
         # rank 0 finishes; the others wait for it and raise its error (a store that refused meta.pt, say) with it
         decided_on_rank_zero(strategy, _publish_sharded, partial, path, metadata)
+
+
+def write_sharded_in_background(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any],
+                                module: Any, optimizers: Iterable[Any], model_key: str = _format.MODEL_KEY) -> None:
+    """``write_sharded``, returning once the state is in host memory, where training cannot change it: the entries of
+    ``stored`` that share the storage of a tensor training changes (``module``'s and ``optimizers``',
+    ``training_tensors``) are copied, ``metadata`` all; torch's ``async_save`` writes the shards, and rank 0
+    publishes once every rank's are written (``_background``)."""
+    path, partial = _sharded_destination(strategy, filepath, stored, model_key)
+    staged = _background.staging(strategy)
+    live = _background.Live(training_tensors(module, optimizers))
+    stored, metadata = _background.host_copy(stored, live, staged), _background.host_copy(metadata)
+    written = _started(lambda: _start_shards(partial, stored, _background.process_group(strategy)))
+    _background.start(strategy, path, written.result, functools.partial(_publish_sharded, partial, path, metadata))
+
+
+def _sharded_destination(strategy: Any, filepath: Any, stored: Dict[str, Any], model_key: str) -> Tuple[Location, Location]:
+    """Once the previous background save is written: the destination and its partial sibling, with rank 0's buffers
+    in the model's entry."""
+    _background.wait(strategy)
+    if model_key in stored:
+        stored[model_key] = with_rank_zeros_buffers(strategy, stored[model_key])
+    return _destination(strategy, filepath, _format.SHARDED)
 
 
 def _start_shards(partial: Location, stored: Dict[str, Any], group: Any) -> Future:
@@ -162,17 +171,20 @@ def _publish_sharded(partial: Location, path: Location, metadata: Dict[str, Any]
     path.remove_leftovers()
 
 
-def write_full(strategy: Any, filepath: Any, state: Dict[str, Any], write: Callable[[Dict[str, Any], Location], None],
-               background: bool = False) -> None:
+def write_full(strategy: Any, filepath: Any, state: Dict[str, Any], write: Callable[[Dict[str, Any], Location], None]) -> None:
     """Rank 0 ``write``s the whole checkpoint ``state`` to a hidden partial sibling and puts it at ``filepath``; the
-    other ranks wait for it, and raise its error with it. ``background``: rank 0 writes a copy of ``state`` in a
-    thread, and every rank goes on at once."""
+    other ranks wait for it, and raise its error with it."""
     _background.wait(strategy)
-    path, partial = _destination(strategy, filepath, full=True)
-    if not background:
-        with path.reported():
-            decided_on_rank_zero(strategy, _publish_full, path, partial, functools.partial(write, state))
-        return
+    path, partial = _destination(strategy, filepath, _format.FULL)
+    with path.reported():
+        decided_on_rank_zero(strategy, _publish_full, path, partial, functools.partial(write, state))
+
+
+def write_full_in_background(strategy: Any, filepath: Any, state: Dict[str, Any],
+                             write: Callable[[Dict[str, Any], Location], None]) -> None:
+    """``write_full``, where rank 0 writes a copy of ``state`` in a thread, and every rank goes on at once."""
+    _background.wait(strategy)
+    path, partial = _destination(strategy, filepath, _format.FULL)
     on_rank_zero = _nothing
     if strategy.global_rank == 0:  # the only rank that holds the gathered state
         on_rank_zero = functools.partial(_publish_full, path, partial, functools.partial(write, _background.host_copy(state)))
@@ -193,10 +205,10 @@ def save_torch_file(state: Dict[str, Any], path: Location) -> None:
     checked.save_file(path, state)
 
 
-def _destination(strategy: Any, filepath: Any, full: bool) -> Tuple[Location, Location]:
+def _destination(strategy: Any, filepath: Any, kind: _format.StateDictType) -> Tuple[Location, Location]:
     """The path rank 0 names and the partial sibling every rank writes into. A full save replaces a sharded
     checkpoint but no other directory, not even an empty one (as native 2.1 refuses); at a URL, no directory."""
     target, token = broadcast(strategy, (str(filepath), secrets.token_hex(8)))
     path = _storage.open_path(target, "save")
-    decided_on_rank_zero(strategy, path.check_destination, full)
+    decided_on_rank_zero(strategy, path.check_destination, kind)
     return path, path.partial(token)

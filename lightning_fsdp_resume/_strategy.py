@@ -1,9 +1,6 @@
-"""The checkpointing behaviour native Lightning 2.1 gave the Trainer's ``FSDPStrategy``, for Lightning 2.0.x.
-
-Written as methods: ``self`` is the ``FSDPStrategy`` instance. Nothing here knows about patching; the
-table in ``_patches`` puts these on the class. Works for ``lightning.pytorch`` and ``pytorch_lightning``
-alike by touching Lightning only through the strategy object. What Fabric's strategy does alike lives in
-``_saving`` and ``_loading``.
+"""The checkpointing native Lightning 2.1 gave the Trainer's ``FSDPStrategy`` (methods: ``self`` is the strategy), and
+2.6's ``weights_only`` on the ``Trainer``'s entry points and ``load_from_checkpoint``, for 2.0.x of both flavours. No
+Lightning import, no patching (``_patches`` does it); what Fabric's does alike is in ``_saving`` and ``_loading``.
 """
 import functools
 from typing import Any, Callable, Dict, Optional
@@ -91,19 +88,19 @@ def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
 
 
 def lightning_module_state_dict(self: Any) -> Dict[str, Any]:
-    state = _saving.model_state(self.model, full=_saving.is_full(self), offload=_saving.offload(self.model))
+    state = _saving.model_state(self.model, _saving.state_dict_type(self), offload=_saving.offload(self.model))
     return _format.strip_prefix(state, _prefix(self))
 
 
 def optimizer_state(self: Any, optimizer: Any) -> Dict[str, Any]:
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-    full = _saving.is_full(self)
+    kind = _saving.state_dict_type(self)
     if not compat.supports_sharded_checkpoints():
         _ranks.warn_rank_zero(self, "FSDP in Lightning with PyTorch < 2.0 does not support saving the optimizer state.")
         return {}
-    state = _saving.optimizer_state(self.model, optimizer, full=full, offload=_saving.offload(self.model))
+    state = _saving.optimizer_state(self.model, optimizer, kind, offload=_saving.offload(self.model))
     state = _format.strip_optimizer_prefix(state, _prefix(self))
-    if not full:
+    if kind == _format.SHARDED:
         return state
     if self.global_rank != 0 or not state:
         return {}
@@ -122,13 +119,14 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
         checkpoint[_rank_states.KEY] = states
     io = _plain_io(self)
     background = _saving.in_background(self, asked=_asks_for_background(self))
-    if _saving.is_full(self):
+    if _saving.state_dict_type(self) == _format.FULL:
         # a str: Lightning's CheckpointIO opens a URL with fsspec, a local path as it is
         write = lambda state, partial: io.save_checkpoint(state, str(partial))  # noqa: E731
-        _saving.write_full(self, filepath, checkpoint, write, background)
+        (_saving.write_full_in_background if background else _saving.write_full)(self, filepath, checkpoint, write)
         return
     stored = _stored(checkpoint, keep_optimizer_states=False)
-    _saving.write_sharded(self, filepath, stored, checkpoint, background, self.model, self.optimizers)
+    write_sharded = _saving.write_sharded_in_background if background else _saving.write_sharded
+    write_sharded(self, filepath, stored, checkpoint, self.model, self.optimizers)
 
 
 def _asks_for_background(self: Any) -> bool:
@@ -288,7 +286,6 @@ def _restore(self: Any, fitting: bool) -> _loading.Restore:
         optimizers=optimizers if fitting else {},
         # LightningModule.strict_loading (the name native Lightning 2.2 uses), True unless set.
         strict=bool(getattr(self.lightning_module, "strict_loading", True)),
-        use_orig_params=bool(self.kwargs.get("use_orig_params", False)),
     )
 
 

@@ -1,10 +1,6 @@
-"""What differs between torch releases for FSDP state dicts and ``torch.distributed.checkpoint``, and nothing else:
-where files live is ``_storage``'s, how the package loads into shards ``_loading``'s, how it unpickles
-``_unpickling``'s.
-
-Each function does one thing the same way on every supported torch, choosing the API that release
-expects, by release or by signature (``takes``). torch is imported inside the functions: importing the shim
-must not import torch.
+"""Every difference between torch releases (FSDP's state-dict APIs, DCP's calls and storages), by release or signature
+(``takes``); the package's release thresholds (``CONSOLIDATE_MIN``, ...), DCP's save planner (its index in state-dict
+order), damage raised alike on every rank. torch is imported inside the functions: importing the shim must not.
 """
 import inspect
 from contextlib import contextmanager
@@ -171,8 +167,9 @@ def is_shard(value: Any) -> bool:
 
 
 def uses_orig_params(model: Any) -> bool:
-    """Whether an FSDP-wrapped model was wrapped with ``use_orig_params=True`` (an FSDP attribute since torch 2.0)."""
-    return bool(getattr(model, "_use_orig_params", False))
+    """Whether the FSDP units in ``model`` (FSDP's root, or a module holding it) were made with ``use_orig_params=True``
+    (an FSDP attribute since torch 2.0, the same on every unit of a root); False where it holds none."""
+    return bool(next((unit._use_orig_params for unit in model.modules() if hasattr(unit, "_use_orig_params")), False))
 
 
 

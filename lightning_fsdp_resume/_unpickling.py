@@ -1,17 +1,6 @@
-"""Reading pickles from a checkpoint without running what its author may have hidden in them.
-
-A pickle names the callables that rebuild its objects (``find_class``), and the unpickler calls them: a checkpoint
-whose pickle names ``os.system`` runs a command when it is loaded. Every pickle this package reads (``meta.pt``, a
-full checkpoint file, DCP's ``.metadata`` and its non-tensor items) goes through one restricted unpickler, on every
-torch release, unless the user trusts the source (``weights_only=False``). It admits a name only when it is
-
-- one torch's own ``weights_only`` unpickler admits (tensors, storages, ``OrderedDict``, ``torch.Size``, ...),
-- one the user admitted: ``torch.serialization.add_safe_globals`` (torch 2.4+) or this package's ``add_safe_globals``,
-- one of ``ADMITTED``: what Lightning, torch's optimizers and schedulers and this package put into a checkpoint,
-- a dtype, layout or memory format of ``torch``, or a dataclass or enum of DCP's metadata modules (``RULED``).
-
-Names are checked before anything is imported: a refused name imports nothing. torch's ``torch.load`` is still the
-reader (its zip format, storages, ``map_location``, ``mmap``); only its pickle module is this one.
+"""Reading pickles from a checkpoint without running what its author may have hidden in them (``os.system``, say): every
+pickle the package reads goes through one restricted unpickler, on every torch, unless ``weights_only=False``. What it
+admits (``ADMITTED``, ``RULED``, safe globals): docs/behaviour.md#checkpoints-you-did-not-write.
 """
 import _compat_pickle
 import functools
@@ -159,10 +148,13 @@ def module_for(source: str) -> Any:
 
 
 def loads(data: bytes, source: str, trusted: bool = False) -> Any:
-    """A plain pickle's object (DCP writes ``.metadata`` with ``pickle.dump``), restricted unless ``trusted``."""
-    if trusted:
-        return pickle.loads(data)
-    return module_for(source).load(io.BytesIO(data))
+    """A plain pickle's object (DCP writes ``.metadata`` with ``pickle.dump``), restricted unless ``trusted``; ``data``
+    must be that pickle and nothing more (bytes after it are damage)."""
+    stream = io.BytesIO(data)
+    loaded = pickle.load(stream) if trusted else module_for(source).load(stream)
+    if stream.tell() != len(data):
+        raise pickle.UnpicklingError(f"{source} goes on for {len(data) - stream.tell()} bytes after its pickle")
+    return loaded
 
 
 def torch_load(source: Any, lazy: bool = False, trusted: bool = False, name: Optional[str] = None,

@@ -1,5 +1,5 @@
 """``lightning-fsdp-resume verify``: every byte of a checkpoint checked against the checksums its save wrote (a
-sharded one's manifest; a full file's zip CRC-32s), with no model and no process group. Nothing is unpickled and
+sharded one's manifest, closing its ``.metadata``; a full file's zip CRC-32s), with no model and no process group. Nothing is unpickled and
 nothing is written.
 """
 import time
@@ -35,13 +35,15 @@ def verify(target: str, progress: bool = True) -> Verified:
             raise UncheckableError(f"The checkpoint {str(path)!r} is not in torch's zip format: it carries no checksums.")
         return Verified(1, entry.size, time.perf_counter() - started)
     sums = checked.sums(path)
-    if sums is None:
-        raise UncheckableError(
-            f"The checkpoint {str(path)!r} carries no checksums (no {_format.CHECKSUMS_FILENAME!r}: native Lightning's"
-            " or an older lightning_fsdp_resume's): its bytes cannot be verified."
-        )
     files = path.listing()
-    total = sum(file_sums.size for file_sums in sums.values())
+    if sums is None:
+        old = f" (its {_format.OLD_CHECKSUMS_FILENAME!r} is an older release's, which this one does not read)"
+        raise UncheckableError(
+            f"The checkpoint {str(path)!r} carries no checksums: native Lightning's, or an older"
+            f" lightning_fsdp_resume's{old if _format.OLD_CHECKSUMS_FILENAME in files else ''}. Its bytes cannot be"
+            " verified."
+        )
+    total = sum(file_sums.hashed for file_sums in sums.values())
     bar = _whole_read.Progress(total, f"checking {str(path)!r}", enabled=progress, command="verify")
     try:
         for relative, file_sums in sorted(sums.items()):

@@ -148,6 +148,6 @@ def test_flat_parameters_are_numbered_through_checkpoint_wrappers():
     model.head = nn.Linear(2, 2)
     apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, nn.Sequential))
     assert "block._checkpoint_wrapped_module.0" in dict(model.named_modules())
-    restore = _loading.Restore(module=model, prefix="", module_key="model", optimizers={}, strict=True, use_orig_params=False)
+    restore = _loading.Restore(module=model, prefix="", module_key="model", optimizers={}, strict=True)
     flat = [["head.weight", "head.bias", "block.0.weight", "block.0.bias"]]  # FSDP's order: the root unit's first
     assert _loading.names_by_group(restore, flat) == [["block.0.weight", "block.0.bias", "head.weight", "head.bias"]]

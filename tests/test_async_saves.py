@@ -86,7 +86,7 @@ def test_model_checkpoint_removes_a_checkpoint_only_once_its_replacement_is_in_p
 
 
 @needs_async_save
-@pytest.mark.parametrize("save, where", [(2, "write_sharded"), (3, "teardown")])  # raised at the next save, or at the end
+@pytest.mark.parametrize("save, where", [(2, "_sharded_destination"), (3, "teardown")])  # raised at the next save, or at the end
 def test_a_failed_background_write_is_raised_on_every_rank_and_publishes_nothing(tmp_path, save, where):
     worker(tmp_path, *config(tmp_path, "sharded", 0), "--max-epochs", EPOCHS, "--async-save", "--fail", f"mid-shards:1:{save}")
     message = (rf"BackgroundSaveError: The checkpoint '[^']*epoch={save - 1}\.ckpt', saved in the background, could not be"

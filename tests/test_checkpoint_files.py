@@ -11,6 +11,7 @@ from lightning_fsdp_resume import _preflight
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._storage import _local, open_path
 from support.checkpoints import saved_epoch, trainer_checkpoint
+from support.damage import without_checksums
 from support.flavours import PATCHABLE_TRAINERS, strategy_class
 from support.marks import needs_patched_trainer
 from support.states import file_hashes
@@ -138,7 +139,8 @@ SHARDED_DAMAGE = {
     "meta.pt alone": ("has no shard index '.metadata'", "has no shard index '.metadata'"),
     "missing shard": (r"The shard file .* is missing", r"The checkpoint file .*__0_0.distcp' is missing; its save wrote \d+ bytes"),
     "truncated shard": (r"The shard file .* is truncated: 10 bytes", r"file .*__0_0.distcp' is 10 bytes; its save wrote \d+ bytes"),
-    "corrupt .metadata": (r"The shard index .* cannot be read", r"file .*\.metadata' is 7 bytes; its save wrote \d+ bytes"),
+    # the checksums close .metadata: garbage in its place ends as neither an index nor a checksummed one
+    "corrupt .metadata": (r"The shard index .* cannot be read", r"The shard index .* cannot be read"),
     "corrupt meta.pt": (r"meta.pt' cannot be read", r"file .*meta.pt' is 7 bytes; its save wrote \d+ bytes"),
 }
 
@@ -149,7 +151,7 @@ SHARDED_DAMAGE = {
 def test_damaged_sharded_checkpoint_is_refused_untouched(tmp_path, process_group, how, checksums):
     path = save(tmp_path / "damaged.ckpt", 1)
     if not checksums:
-        (path / "checksums.json").unlink()
+        without_checksums(path)
     _damage(path, how)
     before = file_hashes(path)
     message = SHARDED_DAMAGE[how][checksums]

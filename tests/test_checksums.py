@@ -14,9 +14,9 @@ import pytest
 import xxhash
 
 from lightning_fsdp_resume._checksums import DamagedCheckpointError
-from support.damage import flipped, largest_item, manifest, sharded_positions, zip_positions
+from support.damage import flipped, index_end, largest_item, manifest, sharded_positions, without_checksums, zip_positions
 from support.flavours import NATIVE
-from support.marks import TORCH, needs_cpu_fsdp
+from support.marks import needs_cpu_fsdp
 from support.ranks import MID, config, worker
 
 patched_only = pytest.mark.skipif(NATIVE, reason="the shim's checksums")
@@ -38,19 +38,22 @@ def checkpoints(reference):
 @needs_cpu_fsdp
 @patched_only
 def test_a_sharded_save_hashes_every_byte_of_every_file_per_item(checkpoints):
-    """Every file but the manifest is listed, its ranges lie back to back over all of it and hash as stored; each item
-    of the DCP index is exactly one range, named by its entry."""
+    """The directory holds native's files alone, every one listed by the manifest that closes ``.metadata``; its
+    ranges lie back to back over all of each file (of ``.metadata``, over the index's pickle); each item of the DCP
+    index is exactly one range, named by its entry."""
     import pickle
 
     directory = checkpoints["sharded"]
     files = manifest(directory)
-    assert set(files) == {p.name for p in directory.iterdir()} - {"checksums.json"}
+    names = {p.name for p in directory.iterdir()}
+    assert names == {".metadata", "meta.pt"} | {name for name in names if name.endswith(".distcp")}
+    assert set(files) == names
     for name, ranges in files.items():
         data, at = (directory / name).read_bytes(), 0
         for offset, length, digest, _ in ranges:
             assert offset == at and xxhash.xxh3_64_hexdigest(data[offset:offset + length]) == digest
             at += length
-        assert at == len(data)
+        assert at == (index_end(directory) if name == ".metadata" else len(data))
     index = pickle.loads((directory / ".metadata").read_bytes())
     by_place = {(name, offset, length): entry for name, ranges in files.items() for offset, length, _, entry in ranges}
     for key, info in index.storage_data.items():
@@ -128,7 +131,7 @@ def test_a_checkpoint_without_checksums_loads_and_says_it_could_not_be_verified(
     from lightning_fsdp_resume.cli import main
 
     plain = shutil.copytree(checkpoints["sharded"], tmp_path / "native-like")
-    (plain / "checksums.json").unlink()
+    without_checksums(plain)
     with pytest.warns(UserWarning, match=r"carries no checksums .*: its bytes could not be verified"):
         _net().load_from_checkpoint(plain)
     assert main(["verify", str(plain)]) == 2
@@ -137,21 +140,21 @@ def test_a_checkpoint_without_checksums_loads_and_says_it_could_not_be_verified(
 
 @needs_cpu_fsdp
 @patched_only
-def test_a_checkpoint_another_program_saved_over_in_place_is_told_from_damage(reference, tmp_path):
-    """Native Lightning saves a sharded checkpoint in place, over this package's, whose checksums.json then stays: on
-    torch >= 2.4 the index's save id tells the two saves apart, and it loads unverified with a warning; before, it
-    is refused, saying how to load it."""
+def test_a_checkpoint_another_program_saved_over_in_place_loads_that_save(reference, tmp_path):
+    """Native Lightning saves a sharded checkpoint in place, over this package's: it rewrites ``.metadata``, and the
+    checksums of the earlier save go with it. The checkpoint then loads the later save's weights, unverified; a
+    checkpoint of an older lightning_fsdp_resume (``checksums.json`` beside it) loads unverified alike."""
     run = reference("sharded", 0) / "ckpt"
     over = shutil.copytree(run / MID, tmp_path / "over.ckpt")
     for saved in (run / "epoch=0.ckpt").iterdir():
-        if saved.name != "checksums.json":
-            shutil.copyfile(saved, over / saved.name)
-    if TORCH >= (2, 4):
-        with pytest.warns(UserWarning, match=r"holds the checksums of another save than the checkpoint's"):
-            _net().load_from_checkpoint(over)
-    else:
-        with pytest.raises(DamagedCheckpointError, match=r"saved over this checkpoint.*remove checksums.json"):
-            _net().load_from_checkpoint(over)
+        shutil.copyfile(saved, over / saved.name)
+    without_checksums(over)  # native's index: DCP's pickle alone
+    (over / "checksums.json").write_text('{"files": {}}')
+    with pytest.warns(UserWarning, match=r"carries no checksums .*: its bytes could not be verified"):
+        loaded = _net().load_from_checkpoint(over)
+    expected, earlier = (_net().load_from_checkpoint(run / name).state_dict() for name in ("epoch=0.ckpt", MID))
+    assert all(loaded.state_dict()[name].equal(value) for name, value in expected.items())
+    assert not all(loaded.state_dict()[name].equal(value) for name, value in earlier.items())
 
 
 @needs_cpu_fsdp

@@ -85,7 +85,7 @@ def test_a_layout_the_package_does_not_know_is_saved_by_fsdps_builder(process_gr
     model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"),
                  sharding_strategy=ShardingStrategy.NO_SHARD)
     with caplog.at_level(logging.DEBUG, logger=_saving.__name__):
-        state = _saving.model_state(model, full=False, offload=False)
+        state = _saving.model_state(model, "sharded", offload=False)
     expected = compat.model_state_dict(model, full=False, offload=False)
     assert_identical({k: _whole(v) for k, v in expected.items()}, {k: _whole(v) for k, v in state.items()}, "the state")
     assert "FSDP builds this sharded state dict: FSDP's flat-parameter layout is not one" in caplog.text

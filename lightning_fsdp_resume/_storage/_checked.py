@@ -5,7 +5,6 @@ unpickled restricted (``_unpickling``) unless the location is trusted, and each 
 import contextlib
 import dataclasses
 import io
-import warnings
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 from .. import _checksums, _format, _unpickling
@@ -20,46 +19,18 @@ _ENTRIES_SPAN = 64 * 2**20  # the most bytes read at once for pickled entries, t
 
 
 def sums(location: Location) -> Optional[Dict[str, Sums]]:
-    """The ranges the save of the sharded checkpoint at ``location`` hashed, by file (its manifest), read once; None
-    where it has none (native Lightning's, an older lightning_fsdp_resume's) or where another program saved over it in
-    place (native Lightning does), leaving the manifest of an earlier save: both load unverified, said once."""
+    """The ranges the save of the sharded checkpoint at ``location`` hashed, by file (the manifest closing its
+    ``.metadata``), read once; None where it has none (native Lightning's, an older lightning_fsdp_resume's, or one
+    another program saved over in place, which rewrites ``.metadata``): those load unverified, said once."""
     return location.once("sums", lambda: _read_sums(location))
 
 
 def _read_sums(location: Location) -> Optional[Dict[str, Sums]]:
-    manifest = location / _format.CHECKSUMS_FILENAME
     try:
-        data = manifest.read_bytes()
+        data = _whole(location, _format.DCP_METADATA_FILENAME)
     except FileNotFoundError:
         return None
-    found = _checksums.parse_manifest(data, str(manifest), str(location))
-    if found.save is not None and _index_save(location, found) not in (None, found.save):
-        warnings.warn(
-            f"lightning_fsdp_resume: {str(manifest)!r} holds the checksums of another save than the checkpoint's"
-            " (a program that saves in place, such as native Lightning, saved over it): its bytes could not be"
-            " verified."
-        )
-        return None
-    return found.files
-
-
-def _index_save(location: Location, manifest: _checksums.Manifest) -> Optional[str]:
-    """The save id in ``.metadata`` where its bytes are not those the manifest hashed; None where they are, or where
-    it holds none (then the bytes are damaged, and the checks say so)."""
-    name = _format.DCP_METADATA_FILENAME
-    file_sums = manifest.files.get(name)
-    try:
-        data = _whole(location, name)
-    except FileNotFoundError:
-        return None
-    if file_sums is None or (len(data) == file_sums.size and len(file_sums.ranges) == 1
-                             and _checksums.digest(data) == file_sums.ranges[0].digest):
-        return None
-    try:
-        index = _unpickling.loads(data, repr(str(location / name)))
-    except Exception:
-        return None
-    return getattr(getattr(index, "storage_meta", None), "save_id", None)
+    return _checksums.manifest_of(data, str(location), _format.DCP_METADATA_FILENAME)
 
 
 def file_sums(location: Location, relative: str) -> Optional[Sums]:
@@ -70,7 +41,7 @@ def file_sums(location: Location, relative: str) -> Optional[Sums]:
     if relative not in found:
         raise _checksums.DamagedCheckpointError(
             f"The checkpoint file {str(location / relative)!r} is not one its save wrote (its checksums do not list"
-            " it). Resume from another checkpoint."
+            f" it). {_format.RESUME_ELSEWHERE}"
         )
     return found[relative]
 
@@ -82,12 +53,16 @@ def written(location: Location) -> Dict[str, List[Range]]:
 
 
 def seal(location: Location, ranges: Dict[str, List[Range]]) -> None:
-    """Write the manifest of the sharded checkpoint at ``location``: what DCP wrote and ``ranges`` (``meta.pt``'s)."""
+    """Close the sharded checkpoint at ``location`` with its manifest: what DCP wrote and ``ranges`` (``meta.pt``'s),
+    after the pickle of ``.metadata``, whose bytes are checked against what its writer hashed first."""
     files = {**written(location), **ranges}
-    if _format.DCP_METADATA_FILENAME not in files:
+    name = _format.DCP_METADATA_FILENAME
+    if name not in files:
         return  # not the rank whose DCP writer finished: its checkpoint goes without checksums
-    save = location.once("save id", dict).get("id")
-    (location / _format.CHECKSUMS_FILENAME).write_bytes(_checksums.manifest_bytes(files, save))
+    index_file = location / name
+    data = index_file.read_bytes()
+    Sums(str(index_file), files[name]).check(data, 0)
+    index_file.write_bytes(_checksums.with_manifest(data, files))
 
 
 # --- reading ----------------------------------------------------------------------------------------------------
@@ -99,13 +74,18 @@ def _whole(location: Location, relative: str) -> bytes:
 
 
 def read(location: Location, relative: str, start: Optional[int] = None, end: Optional[int] = None) -> bytes:
-    """The bytes of the file ``relative`` at ``location`` (those in [start, end)), checked against the checkpoint's
-    checksums where it has them: damage raises ``DamagedCheckpointError`` naming the file and the bytes."""
+    """The bytes of the file ``relative`` at ``location`` (those in [start, end); of ``.metadata`` read whole, those
+    before its manifest), checked against the checkpoint's checksums where it has them: damage raises
+    ``DamagedCheckpointError`` naming the file and the bytes."""
     found = file_sums(location, relative)
-    data = _whole(location, relative) if start is None and end is None else (location / relative).read_bytes(start, end)
-    if found is not None:
-        if start is None and end is None:
+    if start is not None or end is not None:
+        data = (location / relative).read_bytes(start, end)
+    else:
+        data = _whole(location, relative)
+        if found is not None:
             found.check_size(len(data))
+            data = data[:found.hashed]
+    if found is not None:
         found.check(data, start or 0)
     return data
 
@@ -350,7 +330,6 @@ def _summing(storage: Any, location: Location) -> Any:
         of_index = [ranges for written_name, ranges in hashed.items() if written_name.startswith(name)]  # .metadata.tmp
         files[name] = of_index[-1] if of_index else _hashed(location / name, 0, None)
         written(location).update(files)
-        location.once("save id", dict)["id"] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
 
     storage.write_data, storage.finish = summed_write_data, summed_finish
     return storage

@@ -1,13 +1,6 @@
-"""Checkpoints in a local directory (``LocalLocation``), and putting one at its path only once it is complete.
-
-A save writes into a hidden *partial* sibling of the target; when every rank has finished, rank 0
-puts it in place with one rename. Replacing an existing checkpoint swaps the two atomically where the
-file system can (Linux ``renameat2(RENAME_EXCHANGE)``), so the old one stays intact until the new one
-is complete. Where it cannot, the old one is renamed to a *previous* sibling first; a crash between
-the two renames leaves it there, named in the error a load of the missing path raises.
-
-Partial names never contain ``last``: Lightning's ``ckpt_path="last"`` takes the newest entry whose
-name does, and must never pick a partial save.
+"""Checkpoints in a local directory (``LocalLocation``), put at their path only once complete: written into a hidden
+partial sibling, renamed into place, swapped with the old one atomically where the file system can, else the old one
+renamed aside first. Partial names never contain ``last``, which ``ckpt_path="last"`` looks for.
 """
 import contextlib
 import ctypes
@@ -221,10 +214,10 @@ class LocalLocation(Location):
         for leftover in leftovers(self.path.parent):
             remove(leftover)
 
-    def check_destination(self, full: bool) -> None:
+    def check_destination(self, kind: _format.StateDictType) -> None:
         if not self.path.is_dir():
             return
-        if not (_format.is_replaceable_directory(self.path) and (not full or any(self.path.iterdir()))):
+        if not (_format.is_replaceable_directory(self.path) and (kind == _format.SHARDED or any(self.path.iterdir()))):
             raise not_replaceable(self)
 
     def missing(self) -> str:

@@ -3,6 +3,8 @@ Its reads hand out bytes unchecked: everything else reads a checkpoint through `
 import contextlib
 from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, TypeVar
 
+from .. import _format
+
 
 class Entry(NamedTuple):
     """What one question to the store tells of a path: a directory, or a file of ``size`` bytes."""
@@ -144,8 +146,8 @@ class Location:
         """What to read for the checkpoint here (at a URL, the data its pointer names)."""
         return self
 
-    def check_destination(self, full: bool) -> None:
-        """Refuse a save that would replace what is not a checkpoint (or, at a URL, create a bucket)."""
+    def check_destination(self, kind: _format.StateDictType) -> None:
+        """Refuse a save of ``kind`` that would replace what is not a checkpoint (or, at a URL, create a bucket)."""
         raise NotImplementedError
 
     def missing(self) -> str:

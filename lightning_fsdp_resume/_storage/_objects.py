@@ -1,20 +1,6 @@
-"""Checkpoints at URLs (``s3://``, ``gs://``, ``memory://``: any fsspec protocol; ``ObjectLocation``), and how a save
-to one is made crash-safe where there is no atomic rename.
-
-Object stores write one object at a time, and an object appears only once its upload is complete; a prefix
-("directory") cannot be renamed in one step. So a save never writes at the checkpoint's URL until it is complete:
-
-- a **sharded** checkpoint is written under a fresh data prefix beside its URL (``.fsdp-resume-data-<token>/``,
-  an ordinary sharded directory: the shards, ``.metadata``, ``meta.pt``); when every rank has written its part,
-  rank 0 writes the checkpoint's URL itself as one small JSON object, the *pointer*, naming that prefix. Writing
-  the pointer is the commit. Readers follow it; a prefix no pointer names is a save that did not finish and is
-  never read.
-- a **full** checkpoint is written as a data object beside the URL, then copied to the URL in one server-side copy
-  (atomic on object stores): the URL holds an ordinary checkpoint file that any Lightning reads.
-
-Until the commit the URL keeps the previous checkpoint, whole; after it, the previous data goes. Leftovers of saves
-that stopped are removed by the next save into the same directory. A URL may also hold what other tools put there:
-a checkpoint file, or a sharded directory uploaded as it is; both read as they are.
+"""Checkpoints at URLs (``s3://``, ``gs://``, ``memory://``: any fsspec protocol; ``ObjectLocation``), crash-safe with
+no atomic rename: a sharded save goes under a fresh data prefix, committed by writing a JSON pointer at the URL; a full
+one is copied onto the URL server-side. Until then the URL keeps the previous checkpoint, whole.
 """
 import contextlib
 import io
@@ -154,7 +140,7 @@ class ObjectLocation(Location):
     def resolve(self) -> "ObjectLocation":
         return resolve(self).trusting(self.trusted)
 
-    def check_destination(self, full: bool) -> None:
+    def check_destination(self, kind: _format.StateDictType) -> None:
         check_bucket(self)
         if self.is_dir():
             raise not_replaceable(self)
@@ -230,7 +216,7 @@ def _named_data(path: ObjectLocation, size: int) -> Optional[ObjectLocation]:
         pointer = json.loads(content.decode())
         name = pointer["data"]
     except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"The checkpoint pointer {str(path)!r} is damaged ({error}). Resume from another checkpoint.") from error
+        raise ValueError(f"The checkpoint pointer {str(path)!r} is damaged ({error}). {_format.RESUME_ELSEWHERE}") from error
     if pointer.get(POINTER_FORMAT, 0) > _POINTER_VERSION:
         raise ValueError(
             f"The checkpoint pointer {str(path)!r} is of a newer format ({pointer[POINTER_FORMAT]}) than this"
@@ -247,7 +233,7 @@ def resolve(path: ObjectLocation) -> ObjectLocation:
     if not data.exists():
         raise FileNotFoundError(
             f"The checkpoint {str(path)!r} names its data {str(data)!r}, which does not exist: it was removed by"
-            " something other than this package. Resume from another checkpoint."
+            f" something other than this package. {_format.RESUME_ELSEWHERE}"
         )
     return data
 

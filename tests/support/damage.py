@@ -1,6 +1,8 @@
 """Damage as disks and copies make it: one bit flipped in a checkpoint file, at positions of every kind of its bytes
 (the ranges a sharded save hashed, a torch zip file's records and headers)."""
+import io
 import json
+import pickle
 import struct
 import zipfile
 from pathlib import Path
@@ -14,9 +16,30 @@ def flipped(path: Path, position: int, bit: int = 0) -> None:
     path.write_bytes(bytes(data))
 
 
+def index_end(directory: Path) -> int:
+    """Where the pickle of a sharded checkpoint's ``.metadata`` (DCP's index) ends: torch's readers stop there."""
+    stream = io.BytesIO((directory / ".metadata").read_bytes())
+    pickle.load(stream)  # the test's own checkpoint
+    return stream.tell()
+
+
+def carries_checksums(directory: Path) -> bool:
+    """Whether anything follows the index's pickle in ``.metadata`` (this package's manifest; native writes none)."""
+    return index_end(directory) < (directory / ".metadata").stat().st_size
+
+
 def manifest(directory: Path) -> dict:
-    """The ranges a sharded save hashed, by file: [offset, length, digest, entry]."""
-    return json.loads((directory / "checksums.json").read_text())["files"]
+    """The ranges a sharded save hashed, by file: [offset, length, digest, entry] (the JSON that follows the index's
+    pickle in ``.metadata``)."""
+    rest = (directory / ".metadata").read_bytes()[index_end(directory):].decode("latin-1")
+    return json.JSONDecoder().raw_decode(rest)[0]["files"]
+
+
+def without_checksums(directory: Path) -> None:
+    """``.metadata`` cut back to the index's pickle, as native Lightning writes it: the checkpoint carries no
+    checksums."""
+    index = directory / ".metadata"
+    index.write_bytes(index.read_bytes()[:index_end(directory)])
 
 
 def largest_item(directory: Path, name: str) -> List:

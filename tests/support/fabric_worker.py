@@ -32,7 +32,7 @@ if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/f
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import models, states  # noqa: E402
-from support.damage import flipped, largest_item, middle_of_largest_record  # noqa: E402
+from support.damage import carries_checksums, flipped, largest_item, middle_of_largest_record  # noqa: E402
 from support.faults import cut_network, kill_during_saves, trace_saves  # noqa: E402
 from support.flavours import FABRIC_UNDER_TEST  # noqa: E402
 from support.poison import FULL_SITE, Hidden, poisoned  # noqa: E402
@@ -267,7 +267,7 @@ def refusals(run: Run, checkpoint: Path, scratch: Path) -> dict:
     # a copy with one bit flipped in a tensor (of rank 1's shard file), and a damaged state dict file (support/damage.py)
     damaged_copy, damaged_raw = scratch / "damaged.ckpt", scratch / "damaged-raw.pt"
     # native's sharded checkpoints carry no checksums: its loads read damaged shards (one rank failing in torch's reader)
-    checked = not sharded or (checkpoint / "checksums.json").is_file()
+    checked = not sharded or carries_checksums(checkpoint)
     if fabric.global_rank == 0 and checked:
         if sharded:
             shutil.copytree(checkpoint, damaged_copy)

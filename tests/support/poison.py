@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from support.damage import without_checksums
+
 SHARDED_SITES = ("meta.pt", ".metadata", "entry")
 FULL_SITE = "full"
 
@@ -40,7 +42,8 @@ def poisoned(src: Path, dst: Path, site: str, marker: Path) -> Path:
     if src.is_dir():
         shutil.copytree(src, dst)
         # whoever rewrites a pickle drops the checksums too (they would refuse the rewritten file as damaged first)
-        (dst / "checksums.json").unlink(missing_ok=True)
+        if (dst / ".metadata").is_file():
+            without_checksums(dst)
     else:
         shutil.copyfile(src, dst)
     if site in (FULL_SITE, "meta.pt"):
