@@ -1,12 +1,6 @@
-"""Sharded FSDP checkpoints and resume for Lightning 2.0.x, the way Lightning 2.1 does them.
-
-``import lightning_fsdp_resume`` patches the Trainer's ``FSDPStrategy`` (``lightning.pytorch``,
-``pytorch_lightning``) and Fabric's ``FSDPStrategy`` and ``Fabric`` (``lightning.fabric``,
-``lightning_fabric``) when (or if already) they are imported. Lightning 2.1 and newer is left
-untouched. Set ``LIGHTNING_FSDP_RESUME_DISABLE=1`` to import without patching; ``patch()``,
-``unpatch()`` and ``status()`` control and report it.
-
-Importing this package imports neither torch nor Lightning.
+"""Sharded FSDP checkpoints and resume for Lightning 2.0.x, as Lightning 2.1 does them (2.1+ is left untouched).
+Importing it patches the Trainer's and Fabric's FSDP checkpointing, now or when Lightning is imported, importing neither
+torch nor Lightning; ``LIGHTNING_FSDP_RESUME_DISABLE=1`` skips that. ``patch()``, ``unpatch()``, ``status()``: README.
 """
 import os
 import sys

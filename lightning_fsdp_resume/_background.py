@@ -1,10 +1,6 @@
-"""Saves that finish in the background: each rank copies its part of a checkpoint into host memory and goes back
-to training while a thread writes it. The checkpoint is published, and what waits on it (the removal of the one it
-replaces) runs, only once every rank has written its part; what is saved is the state at the call.
-
-The ranks' threads agree over a gloo group of their own, while training's collectives go on on the default one:
-every rank learns the same outcome, which the next save, any load, teardown or ``wait_for_saves`` raise.
-Nothing here knows about patching or about the Trainer or Fabric.
+"""Saves that finish in the background: each rank copies its part (the state at the call) to host memory and trains on
+while a thread writes it; it is published, and the one it replaces removed, once every rank's part is written. The
+threads agree over a gloo group of their own. Nothing here knows about patching, the Trainer or Fabric.
 """
 import copy
 import threading

@@ -1,12 +1,6 @@
-"""Consolidate a sharded checkpoint directory into one full checkpoint file, in one process: a client of
-``_whole_read``, which reads it whole; this writes what it read.
-
-The result is what a full save of the same run writes (``_whole_read.read_full_checkpoint``). No process
-group, no model and no Lightning are needed. Memory: the one copy the reader allocates is written out.
-
-Weights only (``weights_only``, ``dtype``): the model's tensors alone are read, optionally cast. In the
-safetensors format they are read, cast and written one at a time (``_safetensors``), so memory stays near
-the largest tensor.
+"""``consolidate``: a sharded checkpoint directory into one full checkpoint file (or its weights alone, cast, as
+safetensors), in one process with no process group, no model and no Lightning. ``_whole_read`` reads it whole; this
+writes it: the file a full save of the same run writes (docs/behaviour.md#consolidate-in-detail).
 """
 import math
 import sys

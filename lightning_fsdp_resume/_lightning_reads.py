@@ -1,13 +1,6 @@
-"""A sharded checkpoint read whole, in one process, wherever Lightning reads a full checkpoint file.
-
-Lightning's full-checkpoint readers (``LightningModule.load_from_checkpoint``, a single-device or DDP
-``ckpt_path=``, Fabric's ``load``/``load_raw`` without FSDP) all call one function, ``cloud_io._load``; the
-patch table wraps it so that a sharded checkpoint directory reads as the full checkpoint ``consolidate`` would
-write, with no process group and no FSDP, and so that a full file (a path, a URL, a file object) is unpickled
-restricted (``_unpickling``) unless the user gave ``weights_only=False``, to the read or to the call it runs in
-(Lightning 2.0.x's reader unpickles whatever the file names on torch < 2.6, and refuses its own checkpoints on
-torch >= 2.6, whatever the user trusts). It reads as Lightning's does: a file object, an http(s) URL downloaded
-where torch.hub keeps it, any other path or URL through its store.
+"""Lightning's own reads of full checkpoint files, wrapped (``cloud_io._load``): a sharded directory reads whole, as
+``consolidate`` would write it, and a full file is unpickled restricted unless ``weights_only=False``; and
+``load_from_checkpoint`` runs ``configure_sharded_model`` before the weights load (``wrap_load_state``).
 """
 import functools
 from typing import Any, Callable, Dict, Optional

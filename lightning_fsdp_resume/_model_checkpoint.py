@@ -1,8 +1,6 @@
-"""What the shim changes on Lightning 2.0.x's ``ModelCheckpoint``: finding ``ckpt_path="last"`` at a URL.
-
-2.0.x lists its ``dirpath`` with fsspec, whose listing drops the protocol (``bucket/run/last.ckpt``), and then opens
-what it found as a local path: a ``fit(ckpt_path="last")`` with ``dirpath="s3://..."`` finds nothing, warns and
-trains from scratch.
+"""What the shim changes on Lightning 2.0.x's ``ModelCheckpoint``: finding ``ckpt_path="last"`` at a URL. 2.0.x lists
+its ``dirpath`` with fsspec, whose listing drops the protocol (``bucket/run/last.ckpt``), then opens that as a local
+path: with ``dirpath="s3://..."``, ``fit(ckpt_path="last")`` found nothing, warned and trained from scratch.
 """
 import functools
 from typing import Any, Callable, Set

@@ -1,10 +1,6 @@
-"""Generic, reversible patching of classes and modules. Knows nothing about checkpoints or Lightning.
-
-Every attribute a patch replaces is remembered exactly as it stood in the class's (or module's) own
-``__dict__`` (or remembered as absent, when the class only inherited it), so ``revert`` restores the class
-attribute for attribute and ``get_original`` answers what was there before. Like wrapt's
-``unwrap_object``, ``revert`` refuses when another library has since replaced one of those attributes
-(wrapping ours, say): restoring ours would silently remove theirs.
+"""Generic, reversible patching of classes and modules; knows nothing about checkpoints or Lightning. ``revert`` puts
+back each attribute as the class's own ``__dict__`` held it (or absent, if inherited), and, like wrapt's
+``unwrap_object``, refuses where another library has since replaced one: restoring ours would silently remove theirs.
 """
 from typing import Any, Callable, Dict, Mapping, NamedTuple
 

@@ -1,14 +1,6 @@
-"""The tables of what the shim puts on each patched class: the Trainer's ``FSDPStrategy``, Fabric's
-``FSDPStrategy`` and ``Fabric``; the ``Trainer``'s and the modules' entry points that load checkpoints; and the
-modules that read full checkpoint files.
-
-Each table names its own target (the module below the flavour's package, the class, the kind of flavour) above
-its rows. They apply to Lightning releases in [``_versions.FIRST_PATCHED``, ``_versions.FIRST_NATIVE``), i.e.
-2.0.x, of every flavour (``lightning.pytorch``, ``pytorch_lightning``, ``lightning.fabric``, ``lightning_fabric``).
-Lightning 2.1 and newer define every one of these itself.
-
-The targets are read on ``import lightning_fsdp_resume`` to register the import hooks; the rows are built on first
-use, when a 2.0.x flavour is patched, because building them imports the checkpoint behaviour.
+"""The tables of what the shim puts on each patched class or module of Lightning 2.0.x, every flavour: both
+``FSDPStrategy``s, ``Fabric``, the entry points that load, the full-file readers, ``ModelCheckpoint``, the training
+epoch loop. Each table names its target; its rows are built only when a flavour is patched (docs/behaviour.md).
 """
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 

@@ -1,11 +1,6 @@
-"""What each rank keeps to itself and a checkpoint must hold once per rank for a resumed run to equal the
-uninterrupted one: its random number generators' states and the buffers it updated from its own batches
-(FSDP does not synchronise buffers: a BatchNorm's running statistics differ across ranks).
-
-A checkpoint holds them as one list indexed by rank (``rank_states``), written by rank 0; each entry holds
-the rank's RNG states and its buffers: rank 0's all, the others' those that differ from rank 0's (the model's
-own copy, which every other reader sees, is rank 0's too). They are restored when the world size is the one
-that saved them. Everything in it loads with ``torch.load(weights_only=True)``.
+"""What each rank keeps to itself and a checkpoint must hold once per rank for an exact resume: its RNG states and the
+buffers its own batches updated (FSDP does not synchronise buffers, e.g. BatchNorm's statistics), as one list by rank,
+``rank_states``, written by rank 0, read with ``weights_only=True``, restored on the world size that saved it.
 """
 import pickle
 import random

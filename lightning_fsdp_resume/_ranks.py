@@ -1,8 +1,6 @@
-"""What every rank must agree on: rank 0's value or verdict given to all, every rank's outcome of a step
-(``failures``, ``agree``), and barriers that also work in one process without a process group (a notebook, a unit
-test), as native Lightning 2.1's do.
-
-``strategy`` is the Trainer's or Fabric's strategy object (``global_rank``, ``broadcast``, ``barrier``).
+"""What every rank must agree on: rank 0's value or verdict given to all, every rank's outcome of a step (``failures``,
+``agree``), broadcasts and barriers that also work without a process group (a notebook, a unit test), as native 2.1's
+do. ``strategy`` is the Trainer's or Fabric's strategy object (``global_rank``, ``broadcast``, ``barrier``).
 """
 import pickle
 import warnings

@@ -1,9 +1,6 @@
-"""Writing a safetensors file one tensor at a time, without the ``safetensors`` package. No torch here.
-
-The format: an 8-byte little-endian length, a JSON header naming each tensor's dtype, shape and byte range
-(plus ``__metadata__``, string to string), padded with spaces to 8 bytes, then the tensors' raw
-little-endian bytes, contiguous, in header order. The header needs only shapes and dtypes, so it is
-written first and each tensor's bytes follow as they are read: memory stays near the largest tensor.
+"""Writing a safetensors file one tensor at a time, without the ``safetensors`` package; no torch here. The header needs
+only shapes and dtypes, so it is written first and each tensor's bytes follow as they are read: memory stays near the
+largest tensor. The format's layout: docs/behaviour.md#consolidate-in-detail.
 """
 import json
 import struct

@@ -1,19 +1,6 @@
-"""Optimizer state read straight into this rank's FSDP shards, with no template and no gathering.
-
-torch's own loaders (``set_optimizer_state_dict``, ``FSDP.optim_state_dict_to_load``) first build the
-optimizer state of every original parameter and then convert it into FSDP's flat layout: two or three
-copies of the state at the peak. Here each rank works out, from its flat parameters, which elements of
-which original parameter it holds, allocates the optimizer state once in its final layout and fills it
-from the checkpoint: from a full state by slicing, from a sharded checkpoint through
-``torch.distributed.checkpoint`` reading into views of it. ``Optimizer.load_state_dict`` then adopts
-those tensors without copying them. The model's weights go the same way, into the flat parameters' shards;
-before any load, the gathered copies FSDP keeps between forwards go (``drop_gathered_copies``), and after
-it none may be left that differs from the shards (``units_off_their_shards``).
-
-This reads FSDP1's flat-parameter attributes (``_fqns``, ``_shapes``, ``_shard_param_infos``,
-``_local_shard``, ``_full_param_padded``, stable from torch 2.0 to 2.13); ``layout()`` answers None for
-anything it does not recognise, and the callers then use torch's loaders. torch is imported inside the
-functions.
+"""Weights and optimizer states read straight into this rank's FSDP flat shards, with no template and no gathering, from
+FSDP1's flat-parameter attributes (``layout()`` None: torch's loaders instead); and the gathered copies FSDP keeps
+between forwards, freed before a load and checked after it. torch is imported inside the functions.
 """
 import math
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple

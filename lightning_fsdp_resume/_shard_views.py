@@ -1,15 +1,6 @@
-"""Sharded state dicts built from this rank's FSDP flat shards as they lie: what a sharded save writes, with no
-gathering and no copy.
-
-FSDP1's own sharded state dicts all-gather every flat parameter and optimizer state and cut them again by rows,
-on every rank, at every save. A rank's part of an original parameter is already a run of its flattened elements,
-that is a few rectangles of its shape (``_shard_layout.boxes``); here each becomes a view of the flat shard, in a
-``ShardedTensor`` with one local shard per rectangle. torch.distributed.checkpoint writes those rectangles, checks
-on the coordinator that every rank's together cover each tensor once, and any reader resolves them against what
-it asks for, so a checkpoint means what FSDP's builder's means: the same entries, names, order, shapes and values.
-
-``model_state`` and ``optimizer_state`` raise ``UnknownLayout`` where this does not apply; the caller then uses
-FSDP's builder, on every rank (``agreed``). torch is imported inside the functions.
+"""Sharded state dicts built from this rank's FSDP flat shards as they lie, what a sharded save writes, with no
+gathering and no copy: each rank's rectangles of a parameter are views of its flat shard, in a ``ShardedTensor``.
+``UnknownLayout``: FSDP's builder instead, on every rank (``agreed``). torch is imported inside the functions.
 """
 import copy
 from typing import Any, Dict, List, Sequence, Tuple

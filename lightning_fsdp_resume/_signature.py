@@ -1,5 +1,6 @@
-"""What tools that read signatures (LightningCLI's jsonargparse, ``inspect.signature``, IDEs) see of a patched
-method: the original's parameters plus the one the shim adds. Nothing here knows about checkpoints.
+"""The patched strategies' ``__init__`` (``wrap_init``: ``state_dict_type``, Fabric's ``async_save``, ``"sharded"``
+refused on torch < 2.0) and what tools that read signatures (LightningCLI's jsonargparse, ``inspect.signature``, IDEs)
+see of a patched method: the original's parameters plus those the shim adds (``with_keyword``).
 """
 import functools
 import inspect

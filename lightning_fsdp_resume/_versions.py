@@ -1,7 +1,6 @@
-"""Version facts: which Lightning flavours exist, what is installed, and what the shim does with each.
-
-Nothing here imports torch or Lightning: versions come from an already imported module or from the
-installed distribution's metadata.
+"""Version facts: which Lightning flavours exist, what is installed, what the shim does with each (patched:
+``FIRST_PATCHED`` to ``FIRST_NATIVE``). Versions come from an imported module or the distribution's metadata, importing
+neither torch nor Lightning; only ``import_installed_flavours`` imports the flavours, when called.
 """
 import importlib.util
 import re

@@ -1,16 +1,6 @@
-"""A sharded checkpoint directory read whole, in one process, with no process group, no model and no Lightning:
-the one reader of sharded checkpoints outside a training run. ``consolidate`` writes what it reads; the runtime
-reader (``_lightning_reads``) hands it to Lightning wherever Lightning reads a full checkpoint file.
-
-``read_full_checkpoint`` gives the full checkpoint in its writer's format (the Trainer's: the Lightning checkpoint of
-``meta.pt`` with the weights under ``state_dict`` and ``optimizer_states`` in standard PyTorch format; Fabric's:
-each module entry its full state dict, each optimizer entry its FSDP state keyed by parameter name, and every entry
-of ``meta.pt``). Which of the two it is, ``_format.sharded_checkpoint_writer`` decides. ``read_flat`` reads some
-stored keys, ``read_tensor`` one tensor alone.
-
-Memory: every tensor read is allocated once, empty, at its full size, and the shards are read straight into it by
-``torch.distributed.checkpoint``. The parameter numbering comes from the checkpoint alone: see
-``standard_optimizer_state``.
+"""A sharded checkpoint directory read whole, in one process, with no process group, no model and no Lightning: the one
+reader of sharded checkpoints outside a training run, in its writer's format (``read_full_checkpoint``). ``consolidate``
+writes what it reads; ``_lightning_reads`` hands it to Lightning wherever Lightning reads a full file.
 """
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple

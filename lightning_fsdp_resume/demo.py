@@ -1,13 +1,6 @@
-"""The demo: an uninterrupted FSDP run against one stopped mid-run and resumed in new processes.
-
-``run_demo`` orchestrates torchrun launches of this module: the reference run, the run that stops
-after ``--stop-after`` epochs (checkpointing each epoch), and the run that resumes from its last
-checkpoint; with ``--compare-stock`` first that pair with patching off (stock Lightning). The rank
-program trains with the Trainer (``trainer.fit``, ``ModelCheckpoint``, ``ckpt_path``) or, with
-``--fabric``, in a Fabric loop (``fabric.save``/``fabric.load``); both share the model, the data and
-the records: on rank 0, the loss of every step and the gathered weights at every epoch end, and each
-failing rank's error. The orchestrator compares each resumed run with the reference by one routine and
-prints a table, a column per resumed run, and a verdict per run.
+"""The demo: an uninterrupted FSDP run against one stopped mid-run and resumed in new processes. ``run_demo`` launches
+this module under torchrun for each run and compares them; the rank program trains with the Trainer or, with
+``--fabric``, in a Fabric loop. What it runs and prints: docs/behaviour.md#the-demo-in-detail.
 """
 import argparse
 import json

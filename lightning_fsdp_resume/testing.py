@@ -1,15 +1,6 @@
-"""Run Lightning's ``FSDPStrategy`` on the CPU, for tests in CI without GPUs (like ``torch.testing``).
-
-Lightning 2.0.x and newer refuse FSDP unless the accelerator is a GPU, in the Trainer and in Fabric
-alike; torch's FSDP needs ``device_id=torch.device("cpu")`` to shard CPU parameters; and gathering a full
-state dict with ``offload_to_cpu=True`` (native Lightning asks for it) crashes torch when the parameters
-are already on the CPU. ``enable_cpu_fsdp()`` lifts all three, in this process, until
-``disable_cpu_fsdp()``; launch ranks with ``torchrun`` and ``Trainer(accelerator="cpu", devices=N)`` or
-``Fabric(accelerator="cpu", devices=N)`` (then ``fabric.launch()``) and the gloo backend is chosen. A
-plain ``import lightning_fsdp_resume`` never applies it.
-
-Limits: torch 2.0 and 2.1 cannot run FSDP over gloo (no ``_allgather_base``); on torch 2.2 an optimizer
-state dict with ``use_orig_params=True`` (full or sharded) goes through ``torch.cuda`` and fails.
+"""Run Lightning's ``FSDPStrategy`` on the CPU, for tests in CI without GPUs: ``enable_cpu_fsdp()`` lets the Trainer and
+Fabric run FSDP with ``accelerator="cpu"`` (over gloo), in this process, until ``disable_cpu_fsdp()``; a plain import
+never applies it. How to launch, and limits: the README's "Testing FSDP checkpointing on the CPU".
 """
 import importlib
 from typing import Any, Callable, Iterator, Tuple

@@ -1,13 +1,6 @@
-"""Where a checkpoint lives, decided once: ``open_path`` turns what the user passed into a ``Location`` of the one
-store that holds it, a local directory (``_local``) or an object store through fsspec (``_objects``). Everything
-that differs between the two is a method of ``Location``; nothing outside this package asks which one it has.
-
-A ``Location`` answers what the checkpoint code asks of a path (``/``, ``name``, ``parent``, ``exists()``,
-``is_dir()``, ``stat()``, ``listing()``, ``str()``), reads and writes its files unchecked (byte ranges, streams,
-torch DCP's storage): the rest of the package reads and writes a checkpoint through ``checked``, and knows its store's way of putting
-a checkpoint in place only once it is complete (``partial``, ``publish``, ``write_file``), of removing one, of
-finding what unfinished saves left, and how to say that a checkpoint is missing. Ranks share a location as its
-string: ``open_path(str(location))`` is the same location.
+"""Where a checkpoint lives, decided once: ``open_path`` makes a ``Location`` of its one store, a local directory
+(``_local``) or an object store through fsspec (``_objects``). What differs between them is a ``Location`` method;
+nothing outside asks which it has. Bytes go through ``checked``. More: docs/behaviour.md#how-the-code-is-laid-out.
 """
 from pathlib import Path
 from typing import Any
