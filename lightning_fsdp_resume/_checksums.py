@@ -48,6 +48,17 @@ def hasher() -> Any:
     return xxhash.xxh3_64()
 
 
+@functools.lru_cache(maxsize=None)
+def crc32_function() -> Tuple[Callable[..., int], str]:
+    """zip's CRC-32 at memory speed where zlib-ng's bindings are installed (a dependency where they have wheels: the
+    same CRC, about 6 times the standard library's speed), the standard library's elsewhere; and which it is."""
+    try:
+        from zlib_ng import zlib_ng
+    except ImportError:
+        return zlib.crc32, "zlib"
+    return zlib_ng.crc32, "zlib-ng"
+
+
 def digest(data: Any) -> str:
     import xxhash
 
@@ -353,9 +364,10 @@ def is_zip(head: bytes) -> bool:
     return head.startswith(_ZIP_MAGIC)
 
 
-def check_torch_file(source: Any, name: str) -> None:
+def check_torch_file(source: Any, name: str, share: Tuple[int, int] = (0, 1)) -> None:
     """A full checkpoint file (a filename, or a seekable file object at its start) checked before it is loaded: its
-    zip records' CRC-32s; a file in torch's legacy format, which has none, is said to be unchecked."""
+    zip records' CRC-32s (``share``: as ``check_zip``); a file in torch's legacy format, which has none, is said to be
+    unchecked."""
     if isinstance(source, str):
         with open(source, "rb") as handle:
             head = handle.read(4)
@@ -363,7 +375,7 @@ def check_torch_file(source: Any, name: str) -> None:
         head = source.read(4)
         source.seek(-len(head), io.SEEK_CUR)
     if is_zip(head):
-        check_zip(source, name)
+        check_zip(source, name, share)
     else:
         unchecked(name)
 
@@ -374,13 +386,17 @@ def unchecked(name: str) -> None:
                   " lightning_fsdp_resume's, or torch's legacy format): its bytes could not be verified.")
 
 
-def check_zip(source: Any, name: str) -> None:
+def check_zip(source: Any, name: str, share: Tuple[int, int] = (0, 1)) -> None:
     """Every record of a torch checkpoint file (``source``: a filename or a seekable file object) matches the
     CRC-32 its writer stored, the pickle and every tensor, and its local header says what the central directory says
-    of it (name, sizes, CRC-32, time). torch's loader checks none of them."""
+    of it (name, sizes, CRC-32, time). torch's loader checks none of them. ``share``: (k, n), the CRC-32s of the
+    records whose data starts in the k-th of n equal spans of the file alone (the headers of all), for ranks that
+    check one copy of the file together."""
+    crc32 = crc32_function()[0]
     try:
         with zipfile.ZipFile(source) as archive, _whole_view(source) as view:
             raw: Any = archive.fp
+            size = raw.seek(0, io.SEEK_END)
             for record in archive.infolist():
                 raw.seek(record.header_offset)
                 header = struct.unpack(_LOCAL_HEADER, raw.read(struct.calcsize(_LOCAL_HEADER)))
@@ -390,11 +406,16 @@ def check_zip(source: Any, name: str) -> None:
                 if local_name != record.orig_filename:
                     raise damaged_file(name, f"the local header of {record.filename!r} names {local_name!r}")
                 start = record.header_offset + struct.calcsize(_LOCAL_HEADER) + header[10] + header[11]
-                if view is not None and record.compress_type == zipfile.ZIP_STORED:
-                    data = view[start:start + record.compress_size]  # no copy: the page cache, or the bytes read
-                    whole = len(data) == record.compress_size and zlib.crc32(data) == record.CRC
-                    data.release()  # before any raise: a view left would keep the map from closing
-                    if not whole:
+                if min(start * share[1] // max(size, 1), share[1] - 1) != share[0]:
+                    pass  # another rank's
+                elif record.compress_type == zipfile.ZIP_STORED:  # torch's: the bytes as they are
+                    if view is not None:
+                        data = view[start:start + record.compress_size]  # no copy: the page cache, or the bytes read
+                        found = len(data) == record.compress_size and crc32(data) == record.CRC
+                        data.release()  # before any raise: a view left would keep the map from closing
+                    else:
+                        found = _stream_crc32(raw, start, record.compress_size, crc32) == record.CRC
+                    if not found:
                         raise damaged_file(name, f"the record {record.filename!r} does not match its CRC-32")
                 else:
                     with archive.open(record) as stream:
@@ -416,6 +437,18 @@ def check_zip(source: Any, name: str) -> None:
     finally:
         if hasattr(source, "seek"):
             source.seek(0)
+
+
+def _stream_crc32(raw: Any, start: int, length: int, crc32: Callable[..., int]) -> Optional[int]:
+    """The CRC-32 of ``length`` bytes of ``raw`` from ``start``, read in pieces; None where the file ends before them."""
+    raw.seek(start)
+    value = 0
+    while length:
+        data = raw.read(min(length, CHUNK))
+        if not data:
+            return None
+        value, length = crc32(data, value), length - len(data)
+    return value
 
 
 @contextlib.contextmanager

@@ -97,7 +97,10 @@ def load(strategy: Any, path: Any, request: Request) -> Dict[str, Any]:
         load_sharded(path, restore, shards)
         rest = _preflight.read_meta(path)
     else:
-        rest = _preflight.read_full(path, request.required)
+        # the node's ranks check the file's CRC-32s a share each, before any rank uses a byte of it
+        share = (strategy.local_rank, strategy.num_processes)
+        together = checked.check_file_together(path, share if 0 <= share[0] < share[1] else (0, 1))
+        rest = _preflight.read_full(path, request.required, together)
         stored = request.take(rest)
         restore = request.plan(path, _format.count_saved_optimizers(stored), verdict)
         optimizer_states = {key: stored[key] for key in restore.optimizers}

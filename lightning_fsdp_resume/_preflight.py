@@ -114,10 +114,11 @@ def read_meta(path: Location) -> Dict[str, Any]:
     return dict(content)  # the caller's to change; read once per location
 
 
-def read_full(path: Location, required: Optional[str] = "state_dict") -> Dict[str, Any]:
-    """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have."""
+def read_full(path: Location, required: Optional[str] = "state_dict", checked_together: bool = False) -> Dict[str, Any]:
+    """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have;
+    ``checked_together``: every rank's ``checked.check_file_together`` checked it."""
     try:
-        checkpoint = path.once("load", lambda: checked.load_file(path, lazy=True))
+        checkpoint = path.once("load", lambda: checked.load_file(path, lazy=True, checked_together=checked_together))
     except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
         raise
     except Exception as error:

@@ -6,15 +6,18 @@ headers), a file cut short, a shard swapped in from another save of the same run
 ``verify`` and by the loads users make (the Trainer's resume on 2 ranks, ``load_from_checkpoint``, ``consolidate``,
 a checkpoint at a URL); clean checkpoints load everywhere else in the suite, through the same checks.
 """
+import importlib.util
+import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 import xxhash
 
 from lightning_fsdp_resume._checksums import DamagedCheckpointError
-from support.damage import flipped, index_end, largest_item, manifest, sharded_positions, without_checksums, zip_positions
+from support.damage import flipped, index_end, largest_item, manifest, records, sharded_positions, without_checksums, zip_positions
 from support.flavours import NATIVE
 from support.marks import needs_cpu_fsdp
 from support.ranks import MID, config, worker
@@ -172,6 +175,65 @@ def test_the_trainer_refuses_a_damaged_shard_on_every_rank_before_it_trains(refe
         error = (root / "out" / f"error_rank{rank}.txt").read_text()
         assert re.search(r"DamagedCheckpointError: " + DAMAGE.format(name="__1_0.distcp") + rf": bytes {offset}-"
                          rf"{offset + length} \(the entry '{re.escape(entry)}'\)", error), error
+    assert not list((root / "ckpt").glob("epoch=*"))
+
+
+def test_the_crc32_is_zips_own_and_the_fast_one_where_it_is_installed():
+    """Full files are checked with zlib-ng's CRC-32 where its bindings are installed (the package's dependency where
+    they have wheels), else with the standard library's: the same values, pieces chained and views alike."""
+    from lightning_fsdp_resume._checksums import crc32_function
+
+    crc32, implementation = crc32_function()
+    assert implementation == ("zlib-ng" if importlib.util.find_spec("zlib_ng") else "zlib")
+    data = os.urandom(3 * 2**20 + 5)
+    for piece in (b"", data[:1], data, memoryview(data)[7:2 * 2**20 + 3]):
+        assert crc32(piece) == zlib.crc32(piece)
+    assert crc32(data[2**20:], crc32(data[:2**20])) == zlib.crc32(data)
+
+
+@needs_cpu_fsdp
+@patched_only
+def test_shares_of_a_full_file_check_each_record_exactly_once(checkpoints, tmp_path):
+    """The ranks of a node split a full file's CRC-32s (``check_zip``'s share k of n): a flipped bit in any record is
+    found by exactly one share, for every n, and by none once it is undone."""
+    from lightning_fsdp_resume._checksums import check_zip
+
+    full = Path(shutil.copyfile(checkpoints["full"], tmp_path / "full.ckpt"))
+
+    def finders(n):
+        found = []
+        for k in range(n):
+            try:
+                check_zip(str(full), "full.ckpt", (k, n))
+            except DamagedCheckpointError as error:
+                assert re.search(DAMAGE.format(name="full.ckpt"), str(error)), error
+                found.append(k)
+        return found
+
+    for name, start, size in records(full):
+        if size:
+            flipped(full, start + size // 2)
+            assert [len(finders(n)) for n in (1, 2, 3, 5)] == [1, 1, 1, 1], name
+            flipped(full, start + size // 2)
+    assert [finders(n) for n in (1, 2, 3)] == [[], [], []]
+
+
+@needs_cpu_fsdp
+@patched_only
+@pytest.mark.multirank
+def test_a_full_resume_refuses_damage_on_every_rank_whichever_rank_checked_it(reference, tmp_path):
+    """A flipped bit in a record of the file's second half, which rank 1 checks for both: both ranks raise the damage
+    and no step runs."""
+    checkpoint = Path(shutil.copyfile(reference("full", 0) / "ckpt" / MID, tmp_path / "damaged.ckpt"))
+    size = checkpoint.stat().st_size
+    name, start, length = max((record for record in records(checkpoint) if record[1] * 2 >= size), key=lambda r: r[2])
+    flipped(checkpoint, start + length // 2)
+    root = tmp_path / "run"
+    worker(root, *config(root, "full", 0), "--max-epochs", 3, "--ckpt-path", checkpoint, "--record-error")
+    for rank in range(2):
+        error = (root / "out" / f"error_rank{rank}.txt").read_text()
+        assert re.search(r"DamagedCheckpointError: " + DAMAGE.format(name="damaged.ckpt")
+                         + rf": the record '{re.escape(name)}' does not match its CRC-32", error), error
     assert not list((root / "ckpt").glob("epoch=*"))
 
 

@@ -5,11 +5,12 @@ unpickled restricted (``_unpickling``) unless the location is trusted, and each 
 import contextlib
 import dataclasses
 import io
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from .. import _checksums, _format, _unpickling
 from .. import _torch_compat as compat
 from .._checksums import Range, Sums
+from .._ranks import agree
 from ._location import Location
 
 _ENTRIES_SPAN = 64 * 2**20  # the most bytes read at once for pickled entries, tensors between them included
@@ -134,18 +135,35 @@ def load_items(location: Location, infos: List[Any]) -> List[Any]:
     return [loaded[n] for n in range(len(infos))]
 
 
-def load_file(location: Location, lazy: bool = False, map_location: Any = "cpu") -> Any:
+def check_file_together(location: Location, share: Tuple[int, int]) -> bool:
+    """The full checkpoint file at ``location`` checked by the processes of a machine together, each the CRC-32s of
+    its ``share`` (k, n: this process's k of the machine's n) of the records, then agreed on every rank (a
+    collective): each byte hashed once a machine, not once a rank. False, with nothing checked, where each process
+    reads a copy of its own (``one_copy``): ``load_file`` then checks that whole."""
+    error: Optional[BaseException] = None
+    if location.one_copy:
+        try:
+            _checksums.check_torch_file(location.load_source(), str(location), share)
+        except Exception as found:  # the other ranks must hear of it rather than load
+            error = found
+    agree(error)
+    return location.one_copy
+
+
+def load_file(location: Location, lazy: bool = False, map_location: Any = "cpu", checked_together: bool = False) -> Any:
     """``torch.load`` of the full checkpoint file at ``location`` (onto the CPU unless ``map_location`` says
-    otherwise), its zip records' CRC-32s checked first, restricted unless the location is trusted; ``lazy``:
-    memory-mapped where the store and torch allow."""
-    return load_stream(location.load_source(), str(location), repr(str(location)), location.trusted, map_location, lazy)
+    otherwise), its zip records' CRC-32s checked first (``checked_together``: ``check_file_together`` checked them),
+    restricted unless the location is trusted; ``lazy``: memory-mapped where the store and torch allow."""
+    return load_stream(location.load_source(), str(location), repr(str(location)), location.trusted, map_location, lazy,
+                       check=not checked_together)
 
 
-def load_stream(source: Any, name: str, refusal: str, trusted: bool, map_location: Any, lazy: bool = False) -> Any:
+def load_stream(source: Any, name: str, refusal: str, trusted: bool, map_location: Any, lazy: bool = False,
+                check: bool = True) -> Any:
     """``torch.load`` of a full checkpoint given as a file object or a local filename (a location's, or a download),
-    checked first where it can be re-read; ``name`` is what a damage report calls it, ``refusal`` what an unpickling
-    refusal does; ``lazy``: a filename memory-mapped where torch allows."""
-    if not hasattr(source, "read") or source.seekable():
+    checked first where it can be re-read (``check``: unless the caller checked it); ``name`` is what a damage report
+    calls it, ``refusal`` what an unpickling refusal does; ``lazy``: a filename memory-mapped where torch allows."""
+    if check and (not hasattr(source, "read") or source.seekable()):
         _checksums.check_torch_file(source, name)
     return _unpickling.torch_load(source, lazy=lazy, trusted=trusted, name=refusal, map_location=map_location)
 

@@ -112,6 +112,8 @@ def _exchange(first: Path, second: Path) -> bool:
 class LocalLocation(Location):
     """A path on this machine's file systems (``file://`` URLs included)."""
 
+    one_copy = True
+
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 

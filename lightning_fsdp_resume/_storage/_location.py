@@ -31,6 +31,10 @@ class Location:
     # trust. Otherwise (the default) every pickle is read through ``_unpickling``'s restricted unpickler.
     trusted = False
 
+    # Whether the processes of one machine read one copy of a file here (a file system's, through the page cache), so
+    # that each can check a share of it for all; at an object store each downloads a copy of its own.
+    one_copy = False
+
     # --- what a path answers ---
     def __truediv__(self, name: str) -> "Location":
         """The entry ``name`` of this directory: the same location each time it is asked (its ``once`` reads too),

@@ -77,10 +77,17 @@ def zip_positions(path: Path) -> List[int]:
     return sorted(set(positions + [central + 16, central + 46]))
 
 
+def records(path: Path) -> List[Tuple[str, int, int]]:
+    """Each record of a torch zip file: its name, where its data starts, and its size."""
+    data, found = path.read_bytes(), []
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            name_length, extra_length = struct.unpack("<2H", data[info.header_offset + 26:info.header_offset + 30])
+            found.append((info.filename, info.header_offset + 30 + name_length + extra_length, info.file_size))
+    return found
+
+
 def middle_of_largest_record(path: Path) -> int:
     """A byte in the middle of a torch zip file's largest record (a tensor)."""
-    data = path.read_bytes()
-    with zipfile.ZipFile(path) as archive:
-        info = max(archive.infolist(), key=lambda i: i.file_size)
-    name_length, extra_length = struct.unpack("<2H", data[info.header_offset + 26:info.header_offset + 30])
-    return info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+    _, start, size = max(records(path), key=lambda record: record[2])
+    return start + size // 2
