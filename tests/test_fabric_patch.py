@@ -169,5 +169,5 @@ def _check(path, module_key, requested, strict):
     from lightning_fsdp_resume._storage import open_path
 
     state = {key: None for key in requested}  # plain values: none is an optimizer or a module
-    request = _fabric._FabricLoad(state, module_key, None, strict, use_orig_params=False, weights_only=False)
+    request = _fabric._FabricLoad(state, module_key, None, strict, weights_only=False)
     return request.check(open_path(path, "load"))
