@@ -1,6 +1,6 @@
 """The benchmark's rank program, launched by ``resume_benchmark.py`` under torchrun (FSDP on the CPU).
 
-``--phase save`` trains one step (so Adam has state) and times ``trainer.save_checkpoint``;
+``--phase save`` trains ``--save-after-steps`` steps (at least one, so Adam has state) and times ``trainer.save_checkpoint``;
 ``--phase resume`` starts fresh processes, ``trainer.fit(ckpt_path=...)`` and times
 ``FSDPStrategy.load_checkpoint``, which restores model and optimizers on the shim and on native
 Lightning >= 2.1 alike. ``--async-save`` saves with ``AsyncCheckpointIO``: the phase lasts until the checkpoint is
@@ -78,20 +78,22 @@ class Measured:
         return result
 
 
-class SaveAfterFirstStep(L.Callback):
-    """Saves once, measured until the checkpoint is in place; ``stall``: how long the save call itself blocked
-    training (with AsyncCheckpointIO it returns before the checkpoint is written). ``again``: then saves once more,
-    unmeasured but for ``stall_again``, the stall of a later save in a long run (the host buffers a save in the
-    background copies into are kept from the first)."""
+class SaveAfterSteps(L.Callback):
+    """Saves once after ``steps`` optimizer steps, measured until the checkpoint is in place; ``stall``: how long the
+    save call itself blocked training (with AsyncCheckpointIO it returns before the checkpoint is written).
+    ``again``: then saves once more, unmeasured but for ``stall_again``, the stall of a later save in a long run."""
 
-    def __init__(self, path: str, measured: Measured, again: bool = False) -> None:
+    def __init__(self, path: str, measured: Measured, steps: int = 1, again: bool = False) -> None:
         self.path = path
         self.measured = measured
+        self.steps = steps
         self.again = again
         self.stall = None
         self.stall_again = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step < self.steps:
+            return
         trainer.strategy.barrier()  # both ranks start the clock together
         self.measured.run(self.save_and_wait, trainer)
         if self.again:
@@ -159,6 +161,8 @@ def main(argv=None) -> None:
     # the shim's sharded resume once failed there ("Missing key in checkpoint state_dict: ...param_groups").
     parser.add_argument("--outputs", type=int, default=8)
     parser.add_argument("--async-save", action="store_true", help="save with Trainer(plugins=[AsyncCheckpointIO()])")
+    # a run's first save comes after some steps: a save in the background has its host buffers made by then
+    parser.add_argument("--save-after-steps", type=int, default=1, help="optimizer steps before the save (default 1)")
     parser.add_argument("--no-checksums", action="store_true",
                         help="the shim with its checksums switched off in this process: what they cost, by difference")
     args = parser.parse_args(argv)
@@ -179,7 +183,7 @@ def main(argv=None) -> None:
     measured = Measured()
     callbacks = []
     if args.phase == "save":
-        callbacks.append(SaveAfterFirstStep(args.checkpoint, measured, again=args.async_save))
+        callbacks.append(SaveAfterSteps(args.checkpoint, measured, args.save_after_steps, again=args.async_save))
     else:
         timed_load(strategy, measured)
     plugins = [L.plugins.AsyncCheckpointIO()] if args.async_save else []
@@ -188,7 +192,7 @@ def main(argv=None) -> None:
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),
         strategy=strategy,
-        max_steps=1 if args.phase == "save" else 2,  # resume: one step more than the checkpoint holds
+        max_steps=args.save_after_steps if args.phase == "save" else 2,  # resume: one step more than the checkpoint holds
         callbacks=callbacks,
         enable_checkpointing=False,
         logger=False,

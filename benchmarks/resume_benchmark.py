@@ -45,6 +45,8 @@ RANKS = 2
 PHASES = ("save", "resume")
 KINDS = ("sharded", "full")
 ASYNC = "async save"  # the shim's sharded save with AsyncCheckpointIO, measured until the checkpoint is in place
+# its first save comes after this many steps, as a run's does after many: the host buffers are made after the first
+ASYNC_SAVE_AFTER_STEPS = 3
 UNCHECKED = "no checksums"  # the shim with its checksums switched off in the rank processes: their cost, by difference
 CHECKSUM_PHASES = (("save", "sharded"), ("resume", "sharded"), ("resume", "full"))  # where checksums add work
 MB = 1e6
@@ -145,7 +147,8 @@ def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir:
                     results.setdefault((phase, kind, side), []).append(records)
                 if side == "shim" and kind == "sharded":
                     print(f"repeat {repeat + 1}/{args.repeats}: shim   {kind:<7} {ASYNC}", file=sys.stderr, flush=True)
-                    records = launch(python, "save", kind, run_dir / "async-checkpoint", run_dir, args, extra=["--async-save"])
+                    extra = ["--async-save", "--save-after-steps", str(ASYNC_SAVE_AFTER_STEPS)]
+                    records = launch(python, "save", kind, run_dir / "async-checkpoint", run_dir, args, extra=extra)
                     results.setdefault((ASYNC, kind, side), []).append(records)
                     if checksums:
                         results.setdefault(("verify", kind, side), []).append([verify_cold(python, checkpoint)])

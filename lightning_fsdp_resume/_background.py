@@ -4,7 +4,7 @@ threads agree over a gloo group of their own. Nothing here knows about patching,
 """
 import copy
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from . import _torch_compat as compat
 from ._ranks import describe, failures
@@ -162,9 +162,31 @@ class Staging:
     def __init__(self) -> None:
         self.kept: Dict[Tuple[int, int, str], Any] = {}
         self.this_save: Dict[Tuple[int, int, str], Any] = {}
+        self.preparing: Optional[threading.Thread] = None
+        self.prepared: Set[int] = set()  # the optimizers whose tensors have buffers made (by id)
+
+    def prepare(self, live: Live) -> None:
+        """Before the first save: a buffer for each of ``live``'s storages that has none, made and every page faulted
+        in by a thread while training goes on (torch's checkpoint modules imported too), so that the first save, like
+        every later one, copies into resident memory."""
+        if self.preparing is not None:
+            self.preparing.join()
+        wanted = [(ptr, storage.nbytes(), device) for (device, ptr), storage in live.storages.items()]
+
+        def make() -> None:
+            compat.import_background_saving()
+            for key in wanted:
+                if key not in self.this_save:
+                    self.this_save[key] = _host_buffer(key[1], key[2], touched=True)
+
+        self.preparing = threading.Thread(target=make, name="lightning_fsdp_resume: host buffers for saves", daemon=True)
+        self.preparing.start()
 
     def begin(self) -> None:
-        """A new save: the buffers the last one used are kept, any other is dropped."""
+        """A new save: the buffers the last one used (or ``prepare`` made) are kept, any other is dropped."""
+        if self.preparing is not None:
+            self.preparing.join()
+            self.preparing = None
         self.kept, self.this_save = self.this_save, {}
 
     def copy(self, tensor: Any, base: Any) -> Any:
@@ -176,7 +198,7 @@ class Staging:
         if buffer is None:
             buffer = self.kept.get(key)
             if buffer is None:
-                buffer = torch.empty(base.nbytes(), dtype=torch.uint8)
+                buffer = _host_buffer(base.nbytes(), str(tensor.device), touched=False)
             buffer.copy_(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(base))
             self.this_save[key] = buffer
         storage = tensor.untyped_storage()
@@ -185,13 +207,44 @@ class Staging:
         return view.set_(buffer.untyped_storage()[at : at + storage.nbytes()], tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
-def staging(strategy: Any) -> Staging:
-    """The strategy's ``Staging``, for the save about to copy (the last one's is finished: ``wait``)."""
+def _host_buffer(nbytes: int, device: str, touched: bool) -> Any:
+    """Host memory for ``nbytes`` copied from ``device``: page-locked where that is a CUDA device (torch's
+    ``pin_memory``: its copies run at the link's speed), plain elsewhere; ``touched``: every page faulted in now."""
+    import torch
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
+    return buffer.zero_() if touched else buffer
+
+
+def _staging(strategy: Any) -> Staging:
     kept = vars(strategy).get(_STAGING)
     if kept is None:
         kept = vars(strategy)[_STAGING] = Staging()
+    return kept
+
+
+def staging(strategy: Any) -> Staging:
+    """The strategy's ``Staging``, for the save about to copy (the last one's is finished: ``wait``)."""
+    kept = _staging(strategy)
     kept.begin()
     return kept
+
+
+def prepare(strategy: Any, optimizer: Any, tensors: Callable[[], Iterable[Any]]) -> None:
+    """After ``optimizer``'s first step (its states exist then), once: ``Staging.prepare`` for the storages of
+    ``tensors()``, what training changes of it and the module, so that no save, the first included, waits for new
+    memory."""
+    kept = _staging(strategy)
+    if id(optimizer) not in kept.prepared:
+        kept.prepared.add(id(optimizer))
+        kept.prepare(Live(tensors()))
+
+
+def release(strategy: Any) -> None:
+    """The host buffers of saves in the background given back (at the end of a run), once the last save is written."""
+    kept = vars(strategy).pop(_STAGING, None)
+    if kept is not None and kept.preparing is not None:
+        kept.preparing.join()
 
 
 def host_copy(obj: Any, live: Optional[Live] = None, staged: Optional[Staging] = None) -> Any:

@@ -69,6 +69,12 @@ def save_checkpoint(
         write_sharded(self, path, stored, metadata, module, optimizers, module_key)
 
 
+def wrap_optimizer_step(original_optimizer_step: Callable) -> Callable:
+    """After an optimizer's first step, where saves are written in the background (``async_save=True``), their host
+    buffers are made in a thread."""
+    return _saving.preparing_background_saves(original_optimizer_step, lambda self: getattr(self, "_async_save", False))
+
+
 def load_checkpoint(
     self: Any, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None,
 ) -> Dict[str, Any]:

@@ -91,6 +91,8 @@ def FSDP_STRATEGY_PATCHES() -> Rows:
         "on_train_start": Wrap(_strategy.wrap_on_train_start),
         # AsyncCheckpointIO: the end of fit waits for the save in the background and raises its failure
         "teardown": Wrap(_strategy.wrap_teardown),
+        # after the first step of a fit that saves in the background: its host buffers made off the training thread
+        "optimizer_step": Wrap(_strategy.wrap_optimizer_step),
     }
 
 
@@ -106,6 +108,8 @@ def FABRIC_FSDP_STRATEGY_PATCHES() -> Rows:
         "load_checkpoint": _fabric.load_checkpoint,
         # 2.0.x accepts a CheckpointIO plugin and ignores it; refused when set, as native
         "checkpoint_io": Wrap(_fabric.refuse_checkpoint_io),
+        # after an optimizer's first step, where saves are written in the background: their host buffers, in a thread
+        "optimizer_step": Wrap(_fabric.wrap_optimizer_step),
     }
 
 

@@ -84,16 +84,37 @@ def _built(from_shards: Callable[..., Dict[str, Any]], args: Tuple[Any, ...], fs
         return fsdps()
 
 
+def preparing_background_saves(original_optimizer_step: Callable, asked: Callable[[Any], bool],
+                               module: Callable[[Any], Any] = lambda strategy: None) -> Callable:
+    """A strategy's ``optimizer_step`` that, after each optimizer's first step, where sharded saves are ``asked`` to be
+    written in the background and can be, has host buffers for its tensors and the strategy's ``module`` made once,
+    off the training thread (``_background.prepare``)."""
+
+    @functools.wraps(original_optimizer_step)
+    def optimizer_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_optimizer_step(self, optimizer, *args, **kwargs)
+        if asked(self) and state_dict_type(self) == _format.SHARDED and compat.saves_in_background() and compat.distributed():
+            _background.prepare(self, optimizer, lambda: training_tensors(module(self), [optimizer]))
+        return result
+
+    return optimizer_step
+
+
 def training_tensors(module: Any, optimizers: Iterable[Any]) -> Iterator[Any]:
     """What training changes in place: ``module``'s parameters and buffers, FSDP's flat shards (which a unit keeping
-    a gathered copy does not show as its parameters), and the optimizers' states."""
+    a gathered copy does not show as its parameters), and the optimizers' parameters and states (``module`` None:
+    the optimizers' alone)."""
     import torch
 
-    yield from module.parameters()
-    yield from module.buffers()
-    yield from (flat.param._local_shard for flat in _shard_layout.flat_shards(module) or ())
+    if module is not None:
+        yield from module.parameters()
+        yield from module.buffers()
+        yield from (flat.param._local_shard for flat in _shard_layout.flat_shards(module) or ())
     for optimizer in optimizers:
-        for state in getattr(optimizer, "_optimizer", optimizer).state.values():  # a LightningOptimizer's own
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+        for group in inner.param_groups:  # FSDP's flat shards, or views of them
+            yield from group["params"]
+        for state in inner.state.values():
             yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
 

@@ -161,9 +161,15 @@ def wrap_teardown(original_teardown: Callable) -> Callable:
         try:
             _background.wait(self)
         finally:
+            _background.release(self)
             original_teardown(self)
 
     return teardown
+
+
+def wrap_optimizer_step(original_optimizer_step: Callable) -> Callable:
+    """After the first step of a ``fit`` that saves in the background, the saves' host buffers are made in a thread."""
+    return _saving.preparing_background_saves(original_optimizer_step, _asks_for_background, lambda self: self.model)
 
 
 def wrap_remove_checkpoint(original_remove_checkpoint: Callable) -> Callable:

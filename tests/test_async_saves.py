@@ -51,6 +51,10 @@ def test_background_saves_hold_the_state_at_the_call_and_resume_exactly(tmp_path
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == [f"epoch={epoch}.ckpt" for epoch in range(EPOCHS)]
     for epoch in range(EPOCHS if not NATIVE else 0):  # every byte hashed as the background thread wrote it
         assert verify(str(run / "ckpt" / f"epoch={epoch}.ckpt"), progress=False).files >= (4 if kind == "sharded" else 1)
+    if kind == "sharded":  # every save, the first included, copied into host memory made before it, in a thread
+        for rank in (0, 1):
+            buffers = [line for line in _saves(run, rank) if line.startswith("host-buffer")]
+            assert buffers and set(buffers) == {"host-buffer prepared"}, buffers
 
 
 @needs_async_save
@@ -128,6 +132,9 @@ def test_fabric_saves_in_the_background_with_async_save_and_resumes_exactly(tmp_
     for epoch in range(EPOCHS):
         name = f"epoch={epoch}.ckpt"
         assert saves.index(f"save-returned {name}") < saves.index(f"publish {name}"), saves
+    # the flat shards and optimizer states had host memory made after the first step (the module's own buffers, which
+    # Fabric's strategy cannot see from an optimizer step, are made by the first save)
+    assert "host-buffer prepared" in saves, saves
     # the last save was in place before the script ended: wait_for_saves
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == [f"epoch={epoch}.ckpt" for epoch in range(EPOCHS)]
     fabric_worker(resumed, *fabric_config(resumed, "sharded"), "--epochs", EPOCHS, "--net", "buffered", "--rank-states",

@@ -114,12 +114,15 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
     """Append each step of this rank's saves to ``log``, in the order they happen, and start every write ``delay``
     seconds late (so that training goes on while a save in the background writes): ``save-called NAME`` and
     ``save-returned NAME`` (the strategy's ``save_checkpoint``), ``write`` (a rank's shards or rank 0's full file),
-    ``publish NAME`` (the checkpoint is in place) and ``remove NAME`` (one that ModelCheckpoint no longer keeps)."""
+    ``publish NAME`` (the checkpoint is in place), ``remove NAME`` (one that ModelCheckpoint no longer keeps) and
+    ``host-buffer prepared`` / ``host-buffer at-save`` (host memory a save in the background copies into, made ahead
+    of the saves or by one)."""
     import time
     from pathlib import Path
 
     import torch.distributed.checkpoint.filesystem as fs
 
+    from lightning_fsdp_resume import _background
     from lightning_fsdp_resume._storage import _local
 
     def note(line: str) -> None:
@@ -149,5 +152,7 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
     traced(fs.FileSystemWriter, "write_data", before=lambda *_: "write", slow=True)
     traced(_local, "write_file", before=lambda *_: "write", slow=True)
     traced(_local, "publish", after=lambda partial, path: f"publish {Path(path).name}")
+    # a host buffer a save in the background copies into: made ahead, off the training thread, or by the save itself
+    traced(_background, "_host_buffer", before=lambda *_, touched: f"host-buffer {'prepared' if touched else 'at-save'}")
     if removals:  # the Trainer's ModelCheckpoint removes through it; Fabric's FSDPStrategy has none (it raises)
         traced(strategy.checkpoint_io, "remove_checkpoint", before=lambda path: f"remove {Path(path).name}")
