@@ -43,7 +43,7 @@ def _missing(path: Location) -> str:
 
 def _check_sharded(path: Location) -> None:
     index = path / _INDEX
-    incomplete = f" Its save did not finish or it was damaged. {_format.RESUME_ELSEWHERE}"
+    incomplete = " Its save did not finish or it was damaged; resume from another checkpoint."
     files = path.listing()  # one listing answers for every file below
     if not files:
         raise ValueError(f"{not_a_checkpoint(path)}: it is an empty directory.")
