@@ -27,6 +27,15 @@ _LENGTH = struct.Struct(">Q")
 _STOP = b"."
 _ZIP_MAGIC = b"PK\x03\x04"
 CHUNK = 16 * 2**20  # what a whole-file check reads at once
+# A write of at least LARGE bytes (a tensor's data: torch's zip writer writes each record in one call) is hashed in
+# ranges of its own, SPAN bytes at most: a read of the record covers whole ranges, which are checked in the reader's
+# own buffer as they arrive, SLICE bytes at a time while they are in the CPU's cache (``Checked``).
+LARGE = 2**20
+SPAN = 4 * 2**20
+SLICE = 256 * 2**10
+# A large write's last bytes are a range of their own: a zip reader first reads the last 4 KiB of an item (its
+# directory), which would otherwise be checked as part of a whole SPAN, and that SPAN once more by the data's read.
+_TAIL = 64 * 2**10
 
 
 class DamagedCheckpointError(ValueError):
@@ -184,8 +193,8 @@ def manifest_of(data: bytes, directory: str, relative: str) -> Optional[Dict[str
 
 class Hashing:
     """A stream being written that hashes what passes through it, in ranges cut where the writer asks ``tell()``
-    (torch DCP asks before and after each item it writes). ``close()`` gives the ranges; the stream is its owner's
-    to close."""
+    (torch DCP asks before and after each item it writes) and around each large write, in ``SPAN``s. ``close()`` gives
+    the ranges; the stream is its owner's to close."""
 
     def __init__(self, raw: Any) -> None:
         self._raw = raw
@@ -196,9 +205,17 @@ class Hashing:
     def write(self, data: Any) -> Any:
         written = self._raw.write(data)
         view = memoryview(data).cast("B")
-        count = len(view) if written is None else written
-        self._hash.update(view[:count])
-        self._length += count
+        view = view[:len(view) if written is None else written]
+        if len(view) < LARGE:
+            self._hash.update(view)
+            self._length += len(view)
+            return written
+        self._cut()
+        for at in [*range(0, len(view) - _TAIL, SPAN), len(view) - _TAIL]:
+            piece = view[at:min(at + SPAN, len(view) - _TAIL) if at < len(view) - _TAIL else len(view)]
+            self._hash.update(piece)
+            self._length += len(piece)
+            self._cut()
         return written
 
     def tell(self) -> int:
@@ -221,10 +238,12 @@ class Hashing:
 
 
 class Checked(io.RawIOBase):
-    """A file being read (torch DCP's stream of a shard file) that hands out only bytes it has checked: a read
-    anywhere checks the whole range around it against ``sums`` first, and is served from it until a read leaves it.
-    A local file is memory-mapped: a range is checked where it lies in the page cache, with no copy, and a read
-    copies from there (as a read of the file would); any other stream's range is read into memory first."""
+    """A file being read (torch DCP's stream of a shard file) that hands out only bytes it has checked. A read that
+    covers whole ranges (a tensor's data) reads them straight into the reader's buffer and hashes them there as they
+    arrive, a slice at a time while in the CPU's cache: each byte is copied once, and the read returns only once they
+    match.
+    Any other read checks the whole range around it first and is served from it until a read leaves it: a local file's
+    range memory-mapped (checked in the page cache, no copy), any other stream's read into memory."""
 
     def __init__(self, raw: Any, sums: Sums) -> None:
         super().__init__()
@@ -252,6 +271,12 @@ class Checked(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         filled = 0
         while filled < len(view):
+            whole = self._whole_range(self._position, len(view) - filled)
+            if whole is not None:
+                self._read_checked(whole, view[filled:filled + whole.length])
+                filled += whole.length
+                self._position += whole.length
+                continue
             chunk = self._at(self._position)
             if not chunk:
                 break
@@ -262,6 +287,26 @@ class Checked(io.RawIOBase):
             self._position += count
         return filled
 
+    def _whole_range(self, position: int, room: int) -> Optional[Range]:
+        """The range starting at ``position``, where it fits in ``room`` bytes and is not held already."""
+        if self._held is not None and self._held[0] <= position < self._held[0] + len(self._held[1]):
+            return None
+        r = self._sums.containing(position)
+        return r if r is not None and r.offset == position and r.length <= room else None
+
+    def _read_checked(self, r: Range, target: memoryview) -> None:
+        """The range ``r`` read into ``target`` (its length) and hashed there, a slice at a time while it is in the
+        CPU's cache."""
+        running = hasher()
+        self._raw.seek(r.offset)
+        for at in range(0, r.length, SLICE):
+            piece = target[at:at + SLICE]
+            if read_into(self._raw, piece) != len(piece):
+                raise damaged(self._sums.name, r.offset, r.offset + r.length, r.entry, "are cut short")
+            running.update(piece)
+        if running.hexdigest() != r.digest:
+            raise damaged(self._sums.name, r.offset, r.offset + r.length, r.entry, "do not match the checksum its save wrote")
+
     def _at(self, position: int) -> memoryview:
         """The checked bytes from ``position`` to the end of its range; empty past the end of the file."""
         if self._held is None or not self._held[0] <= position < self._held[0] + len(self._held[1]):
@@ -269,8 +314,9 @@ class Checked(io.RawIOBase):
             if r is None:
                 return memoryview(b"")
             self._release()
-            if self._local:
-                # the range alone is mapped, and unmapped once read: the process holds one range of the file at a time
+            if self._local and r.length >= LARGE:
+                # a large range (an item hashed whole: torch < 2.4's saves) is mapped alone, and unmapped once read: the
+                # process holds one range of the file at a time; a small one is read, which costs less than a map
                 aligned = r.offset - r.offset % mmap.ALLOCATIONGRANULARITY
                 self._map = _mapped(self._raw, aligned, r.offset + r.length - aligned)
                 data = memoryview(self._map)[r.offset - aligned:] if self._map is not None else memoryview(b"")
@@ -327,6 +373,22 @@ def _mapped(raw: Any, offset: int = 0, length: int = 0) -> Optional[mmap.mmap]:
         return mmap.mmap(descriptor, min(length or size, size - offset), offset=offset, access=mmap.ACCESS_READ)
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         return None
+
+
+def read_into(stream: Any, view: memoryview) -> int:
+    """Fill ``view`` from ``stream``; how many bytes it gave (fewer where it ended)."""
+    filled = 0
+    while filled < len(view):
+        if hasattr(stream, "readinto"):
+            count = stream.readinto(view[filled:])
+        else:
+            part = stream.read(len(view) - filled)
+            count = len(part)
+            view[filled:filled + count] = part
+        if not count:
+            break
+        filled += count
+    return filled
 
 
 def _read_exactly(stream: Any, count: int) -> bytes:

@@ -7,6 +7,7 @@ headers), a file cut short, a shard swapped in from another save of the same run
 a checkpoint at a URL); clean checkpoints load everywhere else in the suite, through the same checks.
 """
 import importlib.util
+import mmap
 import os
 import re
 import shutil
@@ -19,10 +20,13 @@ import xxhash
 from lightning_fsdp_resume._checksums import DamagedCheckpointError
 from support.damage import flipped, index_end, largest_item, manifest, records, sharded_positions, without_checksums, zip_positions
 from support.flavours import NATIVE
-from support.marks import needs_cpu_fsdp
+from support.marks import TORCH, needs_cpu_fsdp
 from support.ranks import MID, config, worker
 
 patched_only = pytest.mark.skipif(NATIVE, reason="the shim's checksums")
+# torch 2.4's DCP storage streams through its file system, which the shim wraps; torch 2.2/2.3's opens its files itself
+streaming_dcp = pytest.mark.skipif(TORCH < (2, 4), reason="torch < 2.4's DCP storage opens its files itself: its saves"
+                                   " hash each item whole, and its loads check what they read first")
 DAMAGE = r"The checkpoint file '[^']*{name}'? is (damaged|\d+ bytes|missing)"
 
 
@@ -43,7 +47,8 @@ def checkpoints(reference):
 def test_a_sharded_save_hashes_every_byte_of_every_file_per_item(checkpoints):
     """The directory holds native's files alone, every one listed by the manifest that closes ``.metadata``; its
     ranges lie back to back over all of each file (of ``.metadata``, over the index's pickle); each item of the DCP
-    index is exactly one range, named by its entry."""
+    index is exactly one range, named by its entry (this model's tensors are small: a large one's data is hashed in
+    ranges of its own, below)."""
     import pickle
 
     directory = checkpoints["sharded"]
@@ -249,3 +254,84 @@ def test_damage_at_a_url_is_refused(checkpoints, s3_server, bucket, tmp_path):
     fsspec.filesystem("s3").put(str(damaged), url, recursive=True)
     with pytest.raises(DamagedCheckpointError, match=DAMAGE.format(name=re.escape("__0_0.distcp"))):
         _net().load_from_checkpoint(url)
+
+
+def _large_state_saved(directory: Path, monkeypatch, whole_items: bool) -> dict:
+    """A state of one large tensor ('big', 2.5 SPANs) and a small one, saved sharded into ``directory`` in this process;
+    ``whole_items``: each item hashed whole, as torch < 2.4's saves hash them (read back once written)."""
+    import torch
+
+    from lightning_fsdp_resume import _checksums, _storage
+    from lightning_fsdp_resume import _torch_compat as compat
+
+    state = {"big": torch.randn(int(2.5 * _checksums.SPAN) // 4, generator=torch.Generator().manual_seed(0)),
+             "small": torch.arange(10)}
+    location = _storage.open_path(directory, "save")
+    location.mkdir()
+    with monkeypatch.context() as patch:
+        if whole_items:
+            patch.setattr(compat, "streams_through_fs", lambda storage: False)
+        compat.save_distributed(state, _storage.checked.writer(location))
+    _storage.checked.seal(location, {})
+    return state
+
+
+def _loaded_mapping(directory: Path, state: dict, monkeypatch) -> "tuple[dict, list]":
+    """``state``'s keys loaded from ``directory`` through the checked reader, and the lengths of file it memory-mapped."""
+    import torch
+
+    from lightning_fsdp_resume import _checksums, _storage
+    from lightning_fsdp_resume import _torch_compat as compat
+
+    mapped: list = []
+    original = _checksums._mapped
+    target = {name: torch.zeros_like(value) for name, value in state.items()}
+    with monkeypatch.context() as patch:
+        patch.setattr(_checksums, "_mapped", lambda raw, offset=0, length=0: mapped.append(length) or original(raw, offset, length))
+        compat.load_distributed(target, _storage.checked.reader(_storage.open_path(directory, "load")))
+    return target, mapped
+
+
+@streaming_dcp
+@patched_only
+def test_a_large_tensor_is_hashed_in_spans_and_checked_in_the_readers_own_buffer(tmp_path, monkeypatch):
+    """A tensor's data is hashed in ranges of its own of at most ``SPAN`` bytes (its last 64 KiB apart), which a load
+    reads straight into torch's buffer and checks there (no range memory-mapped or read twice); a flipped bit in it is
+    refused naming the entry and its bytes."""
+    import torch
+
+    from lightning_fsdp_resume import _checksums
+
+    directory = tmp_path / "ckpt"
+    state = _large_state_saved(directory, monkeypatch, whole_items=False)
+    span = _checksums.SPAN
+    (shard,) = [name for name in manifest(directory) if name.endswith(".distcp")]
+    big = [r for r in manifest(directory)[shard] if r[3] == "big"]
+    assert [length for _, length, _, _ in big if length >= _checksums.LARGE] == [span, span, span // 2 - _checksums._TAIL]
+    loaded, mapped = _loaded_mapping(directory, state, monkeypatch)
+    assert all(torch.equal(loaded[name], state[name]) for name in state) and mapped == []
+    offset, length, _, _ = big[1]
+    flipped(directory / shard, offset + length // 2)
+    with pytest.raises(DamagedCheckpointError, match=rf"{shard}' is damaged: bytes {offset}-{offset + length} \(the entry 'big'\)"):
+        _loaded_mapping(directory, state, monkeypatch)
+
+
+@streaming_dcp
+@patched_only
+def test_a_checkpoint_hashed_item_by_item_loads_one_mapped_item_at_a_time(tmp_path, monkeypatch):
+    """A save that hashed each item whole (torch < 2.4's) loads on any torch: a large item is checked in a memory map
+    of it alone, and served from there; a flipped bit in it is refused naming the item."""
+    import torch
+
+    from lightning_fsdp_resume import _checksums
+
+    directory = tmp_path / "ckpt"
+    state = _large_state_saved(directory, monkeypatch, whole_items=True)
+    (shard,) = [name for name in manifest(directory) if name.endswith(".distcp")]
+    ((offset, length, _, _),) = [r for r in manifest(directory)[shard] if r[3] == "big"]
+    loaded, mapped = _loaded_mapping(directory, state, monkeypatch)
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
+    assert [n for n in mapped if n >= _checksums.LARGE] == [offset % mmap.ALLOCATIONGRANULARITY + length]
+    flipped(directory / shard, offset + length // 2)
+    with pytest.raises(DamagedCheckpointError, match=rf"{shard}' is damaged: bytes {offset}-{offset + length} \(the entry 'big'\)"):
+        _loaded_mapping(directory, state, monkeypatch)

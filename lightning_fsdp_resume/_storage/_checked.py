@@ -193,13 +193,7 @@ def _reader_into(handle: Any) -> Callable[[int, int], memoryview]:
     def read_range(start: int, end: int) -> memoryview:
         handle.seek(start)
         view = memoryview(buffer)[: end - start]
-        filled = 0
-        while filled < len(view):
-            count = handle.readinto(view[filled:])
-            if not count:
-                break
-            filled += count
-        return view[:filled]
+        return view[:_checksums.read_into(handle, view)]
 
     return read_range
 
