@@ -211,10 +211,10 @@ class Hashing:
             self._length += len(view)
             return written
         self._cut()
-        for at in [*range(0, len(view) - _TAIL, SPAN), len(view) - _TAIL]:
-            piece = view[at:min(at + SPAN, len(view) - _TAIL) if at < len(view) - _TAIL else len(view)]
-            self._hash.update(piece)
-            self._length += len(piece)
+        cuts = [*range(0, len(view) - _TAIL, SPAN), len(view) - _TAIL, len(view)]
+        for start, end in zip(cuts, cuts[1:]):
+            self._hash.update(view[start:end])
+            self._length += end - start
             self._cut()
         return written
 
@@ -241,9 +241,8 @@ class Checked(io.RawIOBase):
     """A file being read (torch DCP's stream of a shard file) that hands out only bytes it has checked. A read that
     covers whole ranges (a tensor's data) reads them straight into the reader's buffer and hashes them there as they
     arrive, a slice at a time while in the CPU's cache: each byte is copied once, and the read returns only once they
-    match.
-    Any other read checks the whole range around it first and is served from it until a read leaves it: a local file's
-    range memory-mapped (checked in the page cache, no copy), any other stream's read into memory."""
+    match. Any other read checks the whole range around it first and is served from it until a read leaves it: a
+    large range of a local file memory-mapped (checked in the page cache, no copy), any other read into memory."""
 
     def __init__(self, raw: Any, sums: Sums) -> None:
         super().__init__()
