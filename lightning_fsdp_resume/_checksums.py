@@ -27,6 +27,7 @@ _LENGTH = struct.Struct(">Q")
 _STOP = b"."
 _ZIP_MAGIC = b"PK\x03\x04"
 CHUNK = 16 * 2**20  # what a whole-file check reads at once
+_MISMATCH = "do not match the checksum its save wrote"
 # A write of at least LARGE bytes (a tensor's data: torch's zip writer writes each record in one call) is hashed in
 # ranges of its own, SPAN bytes at most: a read of the record covers whole ranges, which are checked in the reader's
 # own buffer as they arrive, SLICE bytes at a time while they are in the CPU's cache (``Checked``).
@@ -117,13 +118,17 @@ class Sums:
             return None
         return self.ranges[at]
 
+    def refused(self, r: Range, what: str = _MISMATCH) -> DamagedCheckpointError:
+        """The damage of the listed range ``r``: its bytes ``what``."""
+        return damaged(self.name, r.offset, r.offset + r.length, r.entry, what)
+
     def check(self, data: Any, start: int) -> None:
         """``data``, read from ``start``: every range in it hashes as saved."""
         view = memoryview(data)
         for r in self.covering(start, start + len(view)):
             piece = view[r.offset - start:r.offset - start + r.length]
             if digest(piece) != r.digest:
-                raise damaged(self.name, r.offset, r.offset + r.length, r.entry, "do not match the checksum its save wrote")
+                raise self.refused(r)
 
     def check_size(self, size: Optional[int]) -> None:
         if size != self.size:
@@ -286,9 +291,12 @@ class Checked(io.RawIOBase):
             self._position += count
         return filled
 
+    def _holds(self, position: int) -> bool:
+        return self._held is not None and self._held[0] <= position < self._held[0] + len(self._held[1])
+
     def _whole_range(self, position: int, room: int) -> Optional[Range]:
         """The range starting at ``position``, where it fits in ``room`` bytes and is not held already."""
-        if self._held is not None and self._held[0] <= position < self._held[0] + len(self._held[1]):
+        if self._holds(position):
             return None
         r = self._sums.containing(position)
         return r if r is not None and r.offset == position and r.length <= room else None
@@ -301,14 +309,14 @@ class Checked(io.RawIOBase):
         for at in range(0, r.length, SLICE):
             piece = target[at:at + SLICE]
             if read_into(self._raw, piece) != len(piece):
-                raise damaged(self._sums.name, r.offset, r.offset + r.length, r.entry, "are cut short")
+                raise self._sums.refused(r, "are cut short")
             running.update(piece)
         if running.hexdigest() != r.digest:
-            raise damaged(self._sums.name, r.offset, r.offset + r.length, r.entry, "do not match the checksum its save wrote")
+            raise self._sums.refused(r)
 
     def _at(self, position: int) -> memoryview:
         """The checked bytes from ``position`` to the end of its range; empty past the end of the file."""
-        if self._held is None or not self._held[0] <= position < self._held[0] + len(self._held[1]):
+        if not self._holds(position):
             r = self._sums.containing(position)
             if r is None:
                 return memoryview(b"")
@@ -321,7 +329,8 @@ class Checked(io.RawIOBase):
                 data = memoryview(self._map)[r.offset - aligned:] if self._map is not None else memoryview(b"")
             else:
                 self._raw.seek(r.offset)
-                data = memoryview(_read_exactly(self._raw, r.length))
+                data = memoryview(bytearray(r.length))
+                data = data[:read_into(self._raw, data)]
             whole = len(data) == r.length
             try:
                 if whole:
@@ -331,8 +340,9 @@ class Checked(io.RawIOBase):
                 raise
             if not whole:
                 data.release()
-                raise damaged(self._sums.name, r.offset, r.offset + r.length, r.entry, "are cut short")
+                raise self._sums.refused(r, "are cut short")
             self._held = (r.offset, data)
+        assert self._held is not None  # held already, or just now
         start, held = self._held
         return held[position - start:]
 
@@ -388,17 +398,6 @@ def read_into(stream: Any, view: memoryview) -> int:
             break
         filled += count
     return filled
-
-
-def _read_exactly(stream: Any, count: int) -> bytes:
-    parts, left = [], count
-    while left > 0:
-        part = stream.read(left)
-        if not part:
-            break
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
 
 
 def damage_in(error: BaseException) -> Optional[DamagedCheckpointError]:
@@ -586,10 +585,10 @@ def check_file(read: Callable[[int, int], Any], sums: Sums, progress: Callable[[
         while at < end:
             data = read(at, min(end, at + CHUNK))
             if not data:
-                raise damaged(sums.name, r.offset, end, r.entry, f"are cut short ({at - r.offset} read)")
+                raise sums.refused(r, f"are cut short ({at - r.offset} read)")
             running.update(data)
             at += len(data)
             progress(len(data))
         if running.hexdigest() != r.digest:
-            raise damaged(sums.name, r.offset, end, r.entry, "do not match the checksum its save wrote")
+            raise sums.refused(r)
     flush()
