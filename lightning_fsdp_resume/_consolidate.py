@@ -28,6 +28,7 @@ TRAINER_WEIGHTS_ONLY_KEYS = (
 def consolidate(
     src: Any, dst: Any, overwrite: bool = False, progress: bool = True, *, weights_only: bool = False,
     dtype: Optional[str] = None, format: str = TORCH, module: Optional[str] = None, trusted: bool = False,
+    ema: bool = False,
 ) -> _whole_read.Summary:
     """Write the full checkpoint of the sharded checkpoint directory ``src`` to the file ``dst``.
 
@@ -37,19 +38,20 @@ def consolidate(
     one module's weights under its own key names, written tensor by tensor (weights only by nature).
     ``module``: the Fabric module entry to write, for weights-only output. ``trusted``: the checkpoint's pickles
     may name any callable, which runs as they are read; by default they are read restricted (``_unpickling``).
+    ``ema``: the average of the weights ``ShardedEMA`` saved beside them, in their place (weights only by nature).
 
     ``src`` is only read. ``dst`` appears complete or not at all: it is written to a temporary file
     beside it, then renamed (at a URL: copied in one step). Either may be a URL (``_storage``).
     """
     src, dst = _storage.open_path(src, "read", trusted).resolve(), _storage.open_path(dst, "write")
-    _check_options(weights_only, dtype, format, module)
+    _check_options(weights_only or ema, dtype, format, module)
     _check_destination(src, dst, overwrite)
     _whole_read.check_torch()
     _check_source(src)
     if format == SAFETENSORS:
-        return _write_safetensors(src, dst, dtype, module, progress)
-    if weights_only:
-        checkpoint, summary = _read_weights(src, dtype, module, progress)
+        return _write_safetensors(src, dst, dtype, module, progress, ema)
+    if weights_only or ema:
+        checkpoint, summary = _read_weights(src, dtype, module, progress, ema)
     else:
         checkpoint, summary = _whole_read.read_full_checkpoint(src, progress)
     _say_writing(dst, progress)
@@ -57,11 +59,12 @@ def consolidate(
     return summary
 
 
-def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> Tuple[Dict[str, Any], _whole_read.Summary]:
-    """The weights-only checkpoint of ``src``, reading the model's tensors alone."""
+def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], progress: bool,
+                  ema: bool) -> Tuple[Dict[str, Any], _whole_read.Summary]:
+    """The weights-only checkpoint of ``src``, reading the model's tensors (or their average, ``ema``) alone."""
     metadata = checked.index(src)
     meta = _preflight.read_meta(src)
-    selected = _whole_read.select_weights(src, metadata, meta, module)
+    selected = _whole_read.select_weights(src, metadata, meta, module, ema)
     flat, tensor_bytes = _whole_read.read_flat(src, metadata, progress, [key for keys in selected.keys.values() for key in keys])
     entries = _whole_read.nest(flat, metadata, src)
     cast = _torch_dtype(dtype)
@@ -70,7 +73,7 @@ def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], pr
             state[name] = _cast(state[name], cast)  # one at a time: each stored tensor goes as its copy comes
     if selected.writer == _format.TRAINER:
         kept = {key: meta[key] for key in TRAINER_WEIGHTS_ONLY_KEYS if key in meta}
-        checkpoint = {**kept, "state_dict": entries.get(_format.MODEL_KEY, {})}
+        checkpoint = {**kept, "state_dict": entries.get(_format.EMA_KEY if ema else _format.MODEL_KEY, {})}
     else:
         checkpoint = {entry: entries.get(entry, {}) for entry in selected.keys}
     return checkpoint, _whole_read.Summary(selected.writer, selected.counts(), (), tensor_bytes)
@@ -94,12 +97,13 @@ def _cast(value: Any, dtype: Any) -> Any:
 # --- safetensors: one tensor at a time -------------------------------------------------------------
 
 
-def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], module: Optional[str], progress: bool) -> _whole_read.Summary:
+def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], module: Optional[str], progress: bool,
+                       ema: bool) -> _whole_read.Summary:
     """One module's weights as a safetensors file: the header from the shard index, then each tensor read
     from the shards, cast and written before the next is read."""
     metadata = checked.index(src)
     meta = _preflight.read_meta(src)
-    selected = _whole_read.select_weights(src, metadata, meta, module)
+    selected = _whole_read.select_weights(src, metadata, meta, module, ema)
     if len(selected.keys) > 1:
         raise ValueError(
             f"The Fabric checkpoint {str(src)!r} holds several modules ({_whole_read.quoted_names(list(selected.keys))}); a safetensors"

@@ -23,6 +23,8 @@ OLD_CHECKSUMS_FILENAME = "checksums.json"
 RESUME_ELSEWHERE = "Resume from another checkpoint."
 RESUME_OR_COPY = "Resume from another checkpoint, or copy this one again from where it was saved."
 MODEL_KEY = "model"
+EMA_KEY = "ema"  # a Trainer checkpoint's average of the weights (``ShardedEMA``), beside ``model``
+EMA_STATE_KEY = "ema_state_dict"  # the same in a full checkpoint file, beside ``state_dict``
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)(?:\.|$)")
 # The Trainer writes it into every checkpoint, from 2.0 on; Fabric writes only what the user's state holds.
 TRAINER_VERSION_KEY = "pytorch-lightning_version"
@@ -61,12 +63,12 @@ def sharded_checkpoint_writer(stored_entries: Iterable[str], meta_keys: Iterable
     """``TRAINER`` or ``FABRIC``: who wrote a sharded checkpoint, from the entries its shards store and the
     keys of its ``meta.pt``.
 
-    The Trainer's stores only ``model`` and ``optimizer_{i}`` and its ``meta.pt`` always holds
+    The Trainer's stores only ``model``, ``optimizer_{i}`` and ``ema`` and its ``meta.pt`` always holds
     ``pytorch-lightning_version`` (Lightning 2.0 and 2.1+, this package's saves and native ones). Both
     must hold: a Fabric user may name a module ``model``, but Fabric's ``meta.pt`` holds only the user's
     other entries. Anything else is Fabric's.
     """
-    trainer_entries = all(key == MODEL_KEY or _OPTIMIZER_KEY.fullmatch(key) for key in stored_entries)
+    trainer_entries = all(key in (MODEL_KEY, EMA_KEY) or _OPTIMIZER_KEY.fullmatch(key) for key in stored_entries)
     return TRAINER if trainer_entries and TRAINER_VERSION_KEY in set(meta_keys) else FABRIC
 
 

@@ -2,12 +2,42 @@
 ``consolidate`` would write it, and a full file is unpickled restricted unless ``weights_only=False``; and
 ``load_from_checkpoint`` runs ``configure_sharded_model`` before the weights load (``wrap_load_state``).
 """
+import contextlib
+import contextvars
 import functools
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from . import _format, _loading, _preflight, _signature, _storage, _whole_read
 from ._patcher import Patcher, Wrap
 from ._storage import Location, checked
+
+# ``load_from_checkpoint(..., ema=True)`` in progress: its read gives the average of the weights (``ShardedEMA``'s) as
+# the weights
+_AVERAGE: "contextvars.ContextVar[bool]" = contextvars.ContextVar("ema", default=False)
+
+
+@contextlib.contextmanager
+def average_as_weights(ema: bool) -> Iterator[None]:
+    """Inside this block, a checkpoint read by Lightning gives the average of the weights under ``state_dict``."""
+    token = _AVERAGE.set(ema)
+    try:
+        yield
+    finally:
+        _AVERAGE.reset(token)
+
+
+def _as_asked(checkpoint: Any, where: str) -> Any:
+    """``checkpoint``, with the average of the weights in place of them inside ``average_as_weights(True)``."""
+    if not _AVERAGE.get():
+        return checkpoint
+    average = checkpoint.pop(_format.EMA_STATE_KEY, None) if isinstance(checkpoint, dict) else None
+    if average is None:
+        raise ValueError(
+            f"load_from_checkpoint(ema=True): the checkpoint {where} holds no average of the weights (ShardedEMA saves"
+            " it beside them). Load it without ema=True, or load a checkpoint of a run with ShardedEMA."
+        )
+    checkpoint["state_dict"] = average
+    return checkpoint
 
 
 def wrap_load(original_load: Callable) -> Callable:
@@ -20,14 +50,14 @@ def wrap_load(original_load: Callable) -> Callable:
         trusted = _loading.trusted(weights_only)
         if hasattr(path_or_url, "read"):  # a file object
             given = "the file object given"
-            return checked.load_stream(path_or_url, given, given, trusted, map_location)
+            return _as_asked(checked.load_stream(path_or_url, given, given, trusted, map_location), given)
         if str(path_or_url).startswith("http"):
             url = str(path_or_url)
-            return checked.load_stream(_downloaded(url), url, repr(url), trusted, map_location)
+            return _as_asked(checked.load_stream(_downloaded(url), url, repr(url), trusted, map_location), repr(url))
         source = _storage.open_path(path_or_url, "load", trusted).resolve()
         if source.is_dir():
-            return read_whole(source, map_location)
-        return checked.load_file(source, map_location=map_location)
+            return _as_asked(read_whole(source, map_location), repr(str(source)))
+        return _as_asked(checked.load_file(source, map_location=map_location), repr(str(source)))
 
     _load.__signature__ = _signature.with_keyword(original_load, "weights_only", None, Optional[bool])  # type: ignore[attr-defined]
     return _load

@@ -7,7 +7,7 @@ import secrets
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
-from . import _background, _format, _shard_layout, _shard_views, _storage
+from . import _background, _ema, _format, _shard_layout, _shard_views, _storage
 from . import _torch_compat as compat
 from ._ranks import barrier, broadcast, decided_on_rank_zero, warn_rank_zero
 from ._storage import Location, checked
@@ -110,6 +110,7 @@ def training_tensors(module: Any, optimizers: Iterable[Any]) -> Iterator[Any]:
         yield from module.parameters()
         yield from module.buffers()
         yield from (flat.param._local_shard for flat in _shard_layout.flat_shards(module) or ())
+        yield from _ema.tensors_in(module)  # an average of the weights, updated after each step
     for optimizer in optimizers:
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
         for group in inner.param_groups:  # FSDP's flat shards, or views of them

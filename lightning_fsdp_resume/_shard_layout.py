@@ -93,6 +93,13 @@ def flat_shards(model: Any) -> Optional[List[FlatShard]]:
     return found or None
 
 
+def local_shard(flat: FlatShard) -> Any:
+    """This rank's shard of ``flat``'s parameter, even where the unit holds a gathered copy; before FSDP's first forward
+    (which makes ``_local_shard``) the parameter is its shard."""
+    shard = getattr(flat.param, "_local_shard", None)
+    return flat.param.data if shard is None else shard
+
+
 def layout(model: Any, optimizer: Any) -> Optional[Layout]:
     """Where this rank's shard of each of ``optimizer``'s parameters lies; None as for ``flat_shards``."""
     flats = flat_shards(model)
@@ -157,29 +164,34 @@ def _known_flat_shards(model: Any) -> List[FlatShard]:
     return flats
 
 
-def copy_model_into_shards(model: Any, values: Dict[str, Any]) -> None:
-    """Copy this rank's part of each full tensor ``values[name]`` into the flat parameters' local shards."""
+def copy_model_into_shards(model: Any, values: Dict[str, Any], into: Optional[Callable[[FlatShard], Any]] = None) -> None:
+    """Copy this rank's part of each full tensor ``values[name]`` into the flat parameters' local shards (``into``:
+    as ``read_model_into_shards``)."""
     import torch
 
     with torch.no_grad():
         for flat in _known_flat_shards(model):
+            target = flat.param.data if into is None else into(flat)
             for piece in flat.pieces:
                 if piece.name in values:
-                    copy_piece(values[piece.name], flat.param.data, piece)
+                    copy_piece(values[piece.name], target, piece)
 
 
-def read_model_into_shards(model: Any, reader: Any, stored: Dict[str, str]) -> None:
+def read_model_into_shards(model: Any, reader: Any, stored: Dict[str, str],
+                           into: Optional[Callable[[FlatShard], Any]] = None) -> None:
     """Read, for each original parameter name in ``stored``, this rank's part of the checkpoint entry
     ``stored[name]`` straight into the flat parameters' local shards, through torch DCP's storage ``reader`` (a
-    collective)."""
+    collective). ``into(flat)``: a 1-D tensor laid out as ``flat``'s local shard to read into instead (an average
+    kept beside the weights, ``_ema``)."""
     import torch
 
     views = ViewsReader()
     for flat in _known_flat_shards(model):
         shapes = dict(zip(flat.names, flat.shapes))
+        target = flat.param.data if into is None else into(flat)
         for piece in flat.pieces:
             if piece.name in stored:
-                views.add_piece(stored[piece.name], shapes[piece.name], flat.param.data, piece)
+                views.add_piece(stored[piece.name], shapes[piece.name], target, piece)
     with torch.no_grad():
         views.read(reader)
 

@@ -3,7 +3,7 @@ gathering and no copy: each rank's rectangles of a parameter are views of its fl
 ``UnknownLayout``: FSDP's builder instead, on every rank (``agreed``). torch is imported inside the functions.
 """
 import copy
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from . import _shard_layout
 from ._ranks import everyone
@@ -34,16 +34,13 @@ def model_state(model: Any) -> Dict[str, Any]:
     parameter a ``ShardedTensor`` of views of this rank's flat shards, each persistent buffer as it is."""
     from ._format import clean_module_name
 
-    flats = _known(model)
+    flats = known(model)
     reason = _shard_layout.not_only_flat_parameters(model, flats)
     if reason is not None:
         raise UnknownLayout(reason)
     params: Dict[str, Dict[str, Any]] = {}  # by the module that owns them, in registration order within it
-    for flat in flats:
-        shard = flat.param._local_shard.detach()  # the shard even where the unit holds a gathered copy
-        for name, shape in zip(flat.names, flat.shapes):
-            own = [piece for piece in flat.pieces if piece.name == name]
-            params.setdefault(name.rpartition(".")[0], {})[name] = _sharded(shard, shape, own, flat.rank, flat.world)
+    for name, value in parameter_state(flats, lambda flat: flat.param._local_shard).items():
+        params.setdefault(name.rpartition(".")[0], {})[name] = value
     # Module.state_dict()'s order, which readers take the modules' order from: a module's parameters, then its
     # buffers, then its children's
     state: Dict[str, Any] = {}
@@ -61,11 +58,24 @@ def model_state(model: Any) -> Dict[str, Any]:
     return state
 
 
+def parameter_state(flats: Sequence[FlatShard], shard_of: Callable[[FlatShard], Any]) -> Dict[str, Any]:
+    """Each original parameter of ``flats`` (``_known``'s) as a ``ShardedTensor`` of views of ``shard_of(flat)``, a 1-D
+    tensor laid out as that flat parameter's local shard: the weights (the shard itself, even where the unit holds a
+    gathered copy), or a state kept beside them in their layout (``_ema``'s average)."""
+    state: Dict[str, Any] = {}
+    for flat in flats:
+        shard = shard_of(flat).detach()
+        for name, shape in zip(flat.names, flat.shapes):
+            own = [piece for piece in flat.pieces if piece.name == name]
+            state[name] = _sharded(shard, shape, own, flat.rank, flat.world)
+    return state
+
+
 def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:
     """The sharded optimizer state dict FSDP would build (``state`` and ``param_groups`` keyed by parameter name):
     each state of a parameter's shape a ``ShardedTensor`` of views of this rank's state, each scalar (Adam's
     ``step``) as it is, from every rank that holds one (torch writes it once)."""
-    flats = _known(model)
+    flats = known(model)
     found = _shard_layout.layout(model, optimizer)
     if found is None:
         raise UnknownLayout("the optimizer holds a parameter outside FSDP's flat parameters")
@@ -99,7 +109,7 @@ def _optimizer_value(key: str, value: Any, numel: int, shape: Tuple[int, ...], o
     return _sharded(value.detach(), shape, own, rank, world)
 
 
-def _known(model: Any) -> List[FlatShard]:
+def known(model: Any) -> List[FlatShard]:
     """``model``'s flat shards where every one is laid out as this module reads (the same answer on every rank)."""
     import torch.distributed as dist
 

@@ -5,7 +5,7 @@ Lightning import, no patching (``_patches`` does it); what Fabric's does alike i
 import functools
 from typing import Any, Callable, Dict, Optional
 
-from . import _background, _format, _loading, _preflight, _rank_states, _ranks, _saving, _signature, _storage
+from . import _background, _ema, _format, _lightning_reads, _loading, _preflight, _rank_states, _ranks, _saving, _signature, _storage
 from . import _torch_compat as compat
 from ._storage import Location
 
@@ -119,12 +119,18 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
         checkpoint[_rank_states.KEY] = states
     io = _plain_io(self)
     background = _saving.in_background(self, asked=_asks_for_background(self))
+    average = _ema.of(self.lightning_module)
+    average = average if average is not None and average.ready and not average.swapped else None
     if _saving.state_dict_type(self) == _format.FULL:
+        if average is not None:  # gathered as the weights are, to rank 0
+            checkpoint[_format.EMA_STATE_KEY] = average.gathered(self.model, lambda: lightning_module_state_dict(self), _prefix(self))
         # a str: Lightning's CheckpointIO opens a URL with fsspec, a local path as it is
         write = lambda state, partial: io.save_checkpoint(state, str(partial))  # noqa: E731
         (_saving.write_full_in_background if background else _saving.write_full)(self, filepath, checkpoint, write)
         return
     stored = _stored(checkpoint, keep_optimizer_states=False)
+    if average is not None:
+        stored[_format.EMA_KEY] = average.sharded_state(self.model, _prefix(self))
     write_sharded = _saving.write_sharded_in_background if background else _saving.write_sharded
     write_sharded(self, filepath, stored, checkpoint, self.model, self.optimizers)
 
@@ -224,16 +230,18 @@ def wrap_entry(original: Callable) -> Callable:
 
 
 def wrap_load_from_checkpoint(original: Any) -> classmethod:
-    """``LightningModule`` / ``LightningDataModule.load_from_checkpoint(..., weights_only=None, **kwargs)``, Lightning
-    2.6's keyword: the checkpoint's read takes it (2.0.x would pass it on to the model's ``__init__``)."""
+    """``LightningModule`` / ``LightningDataModule.load_from_checkpoint(..., weights_only=None, ema=False, **kwargs)``:
+    Lightning 2.6's ``weights_only``, which the checkpoint's read takes (2.0.x would pass it on to the model's
+    ``__init__``); ``ema=True`` loads the average of the weights ``ShardedEMA`` saved in their place."""
     function = original.__func__
 
     @functools.wraps(function)
-    def load_from_checkpoint(cls: Any, *args: Any, weights_only: Optional[bool] = None, **kwargs: Any) -> Any:
-        with _loading.loads_with(weights_only):
+    def load_from_checkpoint(cls: Any, *args: Any, weights_only: Optional[bool] = None, ema: bool = False, **kwargs: Any) -> Any:
+        with _loading.loads_with(weights_only), _lightning_reads.average_as_weights(ema):
             return function(cls, *args, **kwargs)
 
-    load_from_checkpoint.__signature__ = _signature.with_keyword(function, "weights_only", None, Optional[bool])  # type: ignore[attr-defined]
+    signature = _signature.with_keyword(function, "weights_only", None, Optional[bool])
+    load_from_checkpoint.__signature__ = _signature.with_keyword(signature, "ema", False, bool)  # type: ignore[attr-defined]
     return classmethod(load_from_checkpoint)
 
 
@@ -248,6 +256,11 @@ def wrap_on_train_start(original_on_train_start: Callable) -> Callable:
             _rank_states.restore_rng(states)
 
     return on_train_start
+
+
+def loads_with_this_package(strategy: Any) -> bool:
+    """Whether ``strategy``'s class loads checkpoints with this module's ``load_checkpoint`` (patched, not unpatched)."""
+    return getattr(type(strategy), "load_checkpoint", None) is load_checkpoint
 
 
 class _TrainerLoad(_loading.Request):
@@ -273,9 +286,11 @@ def _stored(checkpoint: Dict[str, Any], keep_optimizer_states: bool) -> Dict[str
     """A Lightning checkpoint's weights and optimizer states, under the keys a sharded one stores them by,
     taken out of ``checkpoint`` (a load leaves ``optimizer_states`` in it, as Lightning's own loading does)."""
     optimizer_states = (checkpoint.get if keep_optimizer_states else checkpoint.pop)("optimizer_states", None) or []
+    average = checkpoint.pop(_format.EMA_STATE_KEY, None)  # a consolidated file's average of the weights
     return {
         _format.MODEL_KEY: checkpoint.pop("state_dict"),
         **{_format.optimizer_key(index): state for index, state in enumerate(optimizer_states)},
+        **({_format.EMA_KEY: average} if average is not None else {}),
     }
 
 
@@ -285,6 +300,7 @@ def _stored(checkpoint: Dict[str, Any], keep_optimizer_states: bool) -> Dict[str
 def _restore(self: Any, fitting: bool) -> _loading.Restore:
     """The Trainer's module and, when fitting, its optimizers, under the keys the Trainer stores them by."""
     optimizers = {_format.optimizer_key(index): optimizer for index, optimizer in enumerate(self.optimizers)}
+    average = _ema.of(self.lightning_module)
     return _loading.Restore(
         module=self.model,
         prefix=_prefix(self),
@@ -292,6 +308,7 @@ def _restore(self: Any, fitting: bool) -> _loading.Restore:
         optimizers=optimizers if fitting else {},
         # LightningModule.strict_loading (the name native Lightning 2.2 uses), True unless set.
         strict=bool(getattr(self.lightning_module, "strict_loading", True)),
+        averages={_format.EMA_KEY: average} if average is not None else {},
     )
 
 

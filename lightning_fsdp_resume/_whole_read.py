@@ -44,9 +44,9 @@ class Weights(NamedTuple):
         return {entry: len(keys) for entry, keys in self.keys.items()}
 
 
-def select_weights(src: Location, metadata: Any, meta: Dict[str, Any], module: Optional[str]) -> Weights:
-    """Which stored keys are the model's weights: the Trainer's ``model`` entry; Fabric's module entries, or
-    the one named ``module``."""
+def select_weights(src: Location, metadata: Any, meta: Dict[str, Any], module: Optional[str], ema: bool = False) -> Weights:
+    """Which stored keys are the model's weights: the Trainer's ``model`` entry (``ema``: the average of them
+    ``ShardedEMA`` saved, its ``ema`` entry); Fabric's module entries, or the one named ``module``."""
     paths = _planner_paths(metadata, src)
     by_entry: Dict[str, List[str]] = {}
     for key in metadata.state_dict_metadata:  # the saved order: each module's keys in state_dict order
@@ -58,7 +58,17 @@ def select_weights(src: Location, metadata: Any, meta: Dict[str, Any], module: O
                 f"--module {module!r} picks a module of a Fabric checkpoint, but {str(src)!r} is the Trainer's, whose"
                 " weights are its one state_dict. Drop --module."
             )
-        return Weights(writer, {"state_dict": by_entry.get(_format.MODEL_KEY, [])}, paths)
+        if ema and _format.EMA_KEY not in by_entry:
+            raise ValueError(
+                f"--ema: the checkpoint {str(src)!r} holds no average of the weights (ShardedEMA saves it in sharded"
+                " checkpoints, beside the weights). Drop --ema, or consolidate a checkpoint of a run with ShardedEMA."
+            )
+        return Weights(writer, {"state_dict": by_entry.get(_format.EMA_KEY if ema else _format.MODEL_KEY, [])}, paths)
+    if ema:
+        raise ValueError(
+            f"--ema writes the average ShardedEMA saves in the Trainer's checkpoints; {str(src)!r} is Fabric's, whose"
+            " modules are entries of their own. Pass --module NAME instead."
+        )
     modules = [
         entry for entry in by_entry
         if not _format.is_optimizer_entry(paths[key] for key in by_entry[entry])
@@ -80,9 +90,12 @@ def quoted_names(names: Sequence[str]) -> str:
 
 
 def _trainer_entries(stored: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, int], Tuple[str, ...]]:
-    """``state_dict`` and, unless the save was weights-only, ``optimizer_states`` (id-keyed)."""
+    """``state_dict``, ``ema_state_dict`` where the run kept an average of the weights (``ShardedEMA``) and, unless the
+    save was weights-only, ``optimizer_states`` (id-keyed)."""
     model_state = stored.get(_format.MODEL_KEY, {})
     entries: Dict[str, Any] = {"state_dict": model_state}
+    if _format.EMA_KEY in stored:
+        entries[_format.EMA_STATE_KEY] = stored[_format.EMA_KEY]
     modules = _format.modules_in_state_dict_order(model_state)
     count = _format.count_saved_optimizers(stored)
     if count:  # none: a weights-only save, which has no "optimizer_states" either

@@ -70,6 +70,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         " that memory stays near the largest tensor; weights only, so --weights-only is implied",
     )
     consolidate.add_argument(
+        "--ema", action="store_true",
+        help="the average of the weights that ShardedEMA saved beside them, under state_dict in their place: weights"
+        " only (as --weights-only), for inference or export; with --dtype and --format as for the weights",
+    )
+    consolidate.add_argument(
         "--trusted", action="store_true",
         help="unpickle SRC's metadata with no restriction, running whatever code it names: only for a checkpoint from"
         " a source you trust that holds types the default refuses (the refusal names them)",
@@ -108,11 +113,11 @@ def run_consolidate(args: argparse.Namespace) -> int:
     from ._consolidate import SAFETENSORS, consolidate
     from ._format import TRAINER
 
-    weights_only = args.weights_only or args.format == SAFETENSORS
+    weights_only = args.weights_only or args.format == SAFETENSORS or args.ema
     try:
         summary = consolidate(args.src, args.dst, overwrite=args.overwrite, progress=not args.quiet,
                               weights_only=args.weights_only, dtype=args.dtype, format=args.format, module=args.module,
-                              trusted=args.trusted)
+                              trusted=args.trusted, ema=args.ema)
     except (OSError, ValueError, NotImplementedError, ImportError, RuntimeError) as error:
         print(f"lightning_fsdp_resume consolidate: error: {error}", file=sys.stderr)
         return 1
@@ -126,7 +131,7 @@ def run_consolidate(args: argparse.Namespace) -> int:
         if not weights_only:
             held += f"; optimizers {', '.join(map(repr, summary.optimizers)) or 'none'}"
     if weights_only:
-        held = f"weights only ({args.format}{', ' + args.dtype if args.dtype else ''}): {held}"
+        held = f"{'the average of the weights' if args.ema else 'weights'} only ({args.format}{', ' + args.dtype if args.dtype else ''}): {held}"
     print(f"Wrote {str(args.dst)!r}: {held}, {summary.tensor_bytes / 2**20:.1f} MiB of tensors read.")
     return 0
 

@@ -13,7 +13,7 @@ import pytest
 from lightning_fsdp_resume._verify_command import verify
 from support.crash_chain import run_chain
 from support.flavours import NATIVE, VERSION
-from support.marks import TORCH, needs_cpu_fsdp, needs_patched_fabric
+from support.marks import TORCH, needs_async_save, needs_cpu_fsdp, needs_patched_fabric
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, config, fabric_config, fabric_worker, worker
 from support.states import assert_ranks_identical
 from support.stores import LocalStore
@@ -23,7 +23,6 @@ pytestmark = [
     needs_cpu_fsdp,
     pytest.mark.skipif(NATIVE, reason=f"native Lightning {VERSION} saves FSDP checkpoints in the foreground"),
 ]
-needs_async_save = pytest.mark.skipif(TORCH < (2, 3), reason="torch < 2.3 has no dcp.async_save")
 DELAY = "0.5"  # seconds each write starts late
 
 

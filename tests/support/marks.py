@@ -15,6 +15,9 @@ needs_cpu_fsdp = pytest.mark.skipif(
     TORCH < (2, 2), reason=f"torch {'.'.join(map(str, TORCH))} cannot run FSDP on CPU: gloo lacks _allgather_base before torch 2.2"
 )
 
+# Saves in the background (AsyncCheckpointIO, Fabric's) write through torch DCP's async_save.
+needs_async_save = pytest.mark.skipif(TORCH < (2, 3), reason="torch < 2.3 has no dcp.async_save")
+
 # Where torch is too old, consolidate refuses before it looks at its arguments (test_cli checks that).
 needs_consolidate = pytest.mark.skipif(TORCH < (2, 2), reason="consolidate needs torch >= 2.2, which this torch is not")
 

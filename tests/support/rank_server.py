@@ -153,9 +153,9 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the imports print goes to stderr, not into the replies
     # torch, the Lightning flavour and Fabric under test, and the shim
-    from support import fabric_worker, mid_epoch_worker, trainer_worker
+    from support import ema_worker, fabric_worker, mid_epoch_worker, trainer_worker
 
-    workers = {worker.__name__.rpartition(".")[2]: worker for worker in (trainer_worker, fabric_worker, mid_epoch_worker)}
+    workers = {worker.__name__.rpartition(".")[2]: worker for worker in (trainer_worker, fabric_worker, mid_epoch_worker, ema_worker)}
     _import_what_enable_cpu_fsdp_patches()
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()

@@ -17,6 +17,7 @@ ROOT = HERE.parents[1]  # the repository, first on the launched processes' PYTHO
 WORKER = HERE / "trainer_worker.py"  # the Trainer's rank program
 FABRIC_WORKER = HERE / "fabric_worker.py"  # Fabric's
 MID_EPOCH_WORKER = HERE / "mid_epoch_worker.py"  # the Trainer's, checkpointing and resuming inside epochs
+EMA_WORKER = HERE / "ema_worker.py"  # the Trainer's with ShardedEMA
 TIMEOUT_S = 300
 # Reference runs train EPOCHS epochs and checkpoint each; resumed runs start from MID (after epoch 1).
 EPOCHS = 3
@@ -127,6 +128,11 @@ def mid_epoch_worker(*args, nproc: int = 2, expect_failure: bool = False) -> str
     if nproc == 0:
         args = ("--strategy", "single", *args)
     return _launch(MID_EPOCH_WORKER, args, nproc, None, expect_failure, by_torchrun=False)
+
+
+def ema_worker(*args, nproc: int = 2, expect_failure: bool = False) -> str:
+    """The ShardedEMA rank program on ``nproc`` ranks."""
+    return _launch(EMA_WORKER, args, nproc, None, expect_failure, by_torchrun=False)
 
 
 def nodes(tmp: Path, *args, count: int = 2, env=None) -> str:

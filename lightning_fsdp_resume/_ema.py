@@ -1,0 +1,158 @@
+"""An exponential moving average of an FSDP model's weights kept on each rank's own shards (``Average``): one tensor
+per flat parameter laid out as its local shard, so that it is updated, swapped in for evaluation, saved and read
+with no gathering. ``ShardedEMA`` (``ema``) keeps one; the strategy saves and loads it. torch is imported inside.
+"""
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from . import _format, _shard_layout, _shard_views
+from ._shard_layout import FlatShard
+
+# LightningModule -> its average, for the strategy's saves and loads (the module outlives its Trainers)
+_AVERAGES: "weakref.WeakKeyDictionary[Any, Average]" = weakref.WeakKeyDictionary()
+
+
+def attach(module: Any, average: "Average") -> None:
+    """``average`` is ``module``'s (a LightningModule): its saves carry it and its loads restore it."""
+    other = _AVERAGES.get(module)
+    if other is not None and other is not average:
+        raise ValueError(
+            f"Two ShardedEMA callbacks average {type(module).__name__}'s weights: a checkpoint carries one average."
+            " Keep one ShardedEMA in the Trainer's callbacks."
+        )
+    _AVERAGES[module] = average
+
+
+def of(module: Any) -> Optional["Average"]:
+    """The average attached to ``module`` (a LightningModule; None: a strategy used without one), if any."""
+    return None if module is None else _AVERAGES.get(module)
+
+
+def tensors_in(model: Any) -> Iterator[Any]:
+    """The shards of every average attached to a module inside ``model``: tensors training changes in place."""
+    for module in model.modules():
+        average = _AVERAGES.get(module)
+        if average is not None:
+            yield from average.shards.values()
+
+
+class Average:
+    """The average of one FSDP model's weights, one tensor per flat parameter (by ``id`` of the parameter) laid out as
+    this rank's local shard of it, padding included. The rule is that of torch's ``AveragedModel`` with
+    ``get_ema_multi_avg_fn(decay)``: the first update copies the weights, each later one moves the average a
+    ``1 - decay`` part of the way to them (``lerp``)."""
+
+    def __init__(self, decay: float, dtype: Any = None) -> None:
+        self.decay = decay
+        self.dtype = dtype  # None: float32
+        self.shards: Dict[int, Any] = {}
+        self.updates = 0  # AveragedModel's n_averaged
+        self.loaded = False  # read from a checkpoint (a validate/test/predict with ckpt_path restores no counters)
+        self._kept: Optional[List[Any]] = None  # the training weights while the average is swapped in
+        self.started_fresh: Optional[str] = None  # the checkpoint loaded last, where it held no average
+
+    @property
+    def ready(self) -> bool:
+        return self.updates > 0 or self.loaded
+
+    @property
+    def swapped(self) -> bool:
+        return self._kept is not None
+
+    def update(self, model: Any) -> None:
+        """One update from ``model``'s (the FSDP root's) current weights, on this rank's shards."""
+        import torch
+
+        flats = flats_of(model)
+        with torch.no_grad():
+            weights = [self._as_average(_shard_layout.local_shard(flat)) for flat in flats]
+            if not self.ready:
+                for flat, weight in zip(flats, weights):
+                    self._shard(flat).copy_(weight)
+            else:
+                torch._foreach_lerp_([self._shard(flat) for flat in flats], weights, 1.0 - self.decay)
+        self.updates += 1
+
+    def swap(self, model: Any) -> None:
+        """Put the average into ``model``'s shards (the training weights kept aside), or the training weights back,
+        bit for bit. FSDP's gathered copies are freed either side, so that the next forward computes with the shards."""
+        import torch
+
+        flats = flats_of(model)
+        _shard_layout.drop_gathered_copies(model)
+        with torch.no_grad():
+            if self._kept is None:
+                self._kept = [_shard_layout.local_shard(flat).clone() for flat in flats]
+                for flat in flats:
+                    _shard_layout.local_shard(flat).copy_(self._shard(flat))
+            else:
+                for flat, kept in zip(flats, self._kept):
+                    _shard_layout.local_shard(flat).copy_(kept)
+                self._kept = None
+        _shard_layout.drop_gathered_copies(model)
+
+    def sharded_state(self, model: Any, prefix: str) -> Dict[str, Any]:
+        """The average as a sharded state dict under the model's own parameter names (without ``prefix``, the
+        wrapper's), in the weights' layout: each parameter a ``ShardedTensor`` of views of the average's shards."""
+        state = _shard_views.parameter_state(flats_of(model), self._shard)
+        return _format.strip_prefix(state, prefix)
+
+    def gathered(self, model: Any, build: Callable[[], Dict[str, Any]], prefix: str) -> Dict[str, Any]:
+        """The average in a full state dict under the model's own parameter names (without ``prefix``): ``build()``,
+        the model's state dict as a full save gathers it, built with the average swapped into the shards (where
+        ``build`` gives nothing, as a full save does on ranks other than 0, nothing)."""
+        names = set(_format.strip_prefix(self.shapes(model), prefix))
+        self.swap(model)
+        try:
+            state = build()
+        finally:
+            self.swap(model)
+        return {name: value for name, value in state.items() if name in names}
+
+    def shapes(self, model: Any) -> Dict[str, Any]:
+        """The full shape of every parameter averaged, by ``model``'s names (the wrapper's prefix included)."""
+        return {name: shape for flat in flats_of(model) for name, shape in zip(flat.names, flat.shapes)}
+
+    def read(self, model: Any, reader: Any, stored: Dict[str, str]) -> None:
+        """Read the average of each parameter named in ``stored`` from the checkpoint entry it names into this rank's
+        shards, through torch DCP's ``reader`` (a collective); another number of ranks is resharded as weights are."""
+        _shard_layout.read_model_into_shards(model, reader, stored, into=self._shard)
+        self.loaded = True
+
+    def copy(self, model: Any, values: Dict[str, Any]) -> None:
+        """This rank's part of each full tensor ``values[name]`` (by ``model``'s names) into the average's shards."""
+        _shard_layout.copy_model_into_shards(model, values, into=self._shard)
+        self.loaded = True
+
+    def start_fresh(self, where: str) -> None:
+        """The checkpoint at ``where`` holds no average: the next update starts one from the weights."""
+        self.shards.clear()
+        self.updates, self.loaded = 0, False
+        self.started_fresh = where
+
+    def _shard(self, flat: FlatShard) -> Any:
+        import torch
+
+        shard = self.shards.get(id(flat.param))
+        if shard is None:
+            local = _shard_layout.local_shard(flat)
+            shard = torch.zeros(local.numel(), dtype=self.dtype or torch.float32, device=local.device)
+            self.shards[id(flat.param)] = shard
+        return shard
+
+    def _as_average(self, weight: Any) -> Any:
+        import torch
+
+        return weight.detach().to(self.dtype or torch.float32)
+
+
+def flats_of(model: Any) -> List[FlatShard]:
+    """``model``'s flat shards, where each parameter's elements lie on one rank of the world: the layout an average
+    is kept in. Otherwise refused, naming the setting."""
+    try:
+        return _shard_views.known(model)
+    except _shard_views.UnknownLayout as unknown:
+        raise ValueError(
+            f"ShardedEMA keeps its average on each rank's FSDP shards, which this run's layout does not give: {unknown}."
+            " Use FSDPStrategy's FULL_SHARD or SHARD_GRAD_OP sharding over 2 or more ranks."
+        ) from None

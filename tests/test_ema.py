@@ -1,0 +1,233 @@
+"""``ShardedEMA``: an average of the weights kept on each rank's FSDP shards. It follows an average of the gathered
+weights kept beside the run, validation computes with it and training gets its own weights back bit for bit, and
+a sharded checkpoint carries it: a resume in new processes ends with the same average, bit for bit, and one on
+another number of ranks reads the same average.
+
+Runs (``support/ema_worker.py``): the Trainer worker's ``Net`` on 2 ranks, 3 epochs of 8 steps, a validation and a
+sharded checkpoint after each; decay 0.75, so that every step shows in the average.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.marks import TORCH, needs_async_save, needs_cpu_fsdp, needs_patched_trainer
+from support.ranks import ema_worker
+
+pytestmark = [pytest.mark.multirank, needs_cpu_fsdp, needs_patched_trainer]
+
+LAYOUTS = [(0, "root"), (0, "policy"), (1, "root"), (1, "policy")]  # use_orig_params, wrapping
+IDS = ["flat-root", "flat-policy", "orig-root", "orig-policy"]
+
+
+def _run(root: Path, *args, nproc: int = 2) -> str:
+    return ema_worker("--out", root / "out", "--ckpt-dir", root / "ckpt", *args, nproc=nproc)
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def _identical(expected: dict, actual: dict, what: str) -> None:
+    assert sorted(expected) == sorted(actual), what
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), f"{what}: {name}"
+
+
+def _resumed_as(root: Path, resumed: Path, final: bool) -> None:
+    """The run resumed after epoch 0 validated with the same average as the uninterrupted one after epochs 1 and 2,
+    bit for bit, and (``final``) ended with the same weights."""
+    for epoch in (1, 2):
+        _identical(_load(root / "ema" / "out" / f"seen_e{epoch}.pt"), _load(resumed / "out" / f"seen_e{epoch}.pt"),
+                   f"the average validated after epoch {epoch}")
+    if final:
+        _identical(_load(root / "ema" / "out" / "final.pt"), _load(resumed / "out" / "final.pt"), "final weights")
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory):
+    """Per layout, the uninterrupted run with ShardedEMA (and the reference average) and the same run without it."""
+    runs = {}
+
+    def get(use_orig_params: int, wrap: str) -> Path:
+        key = (use_orig_params, wrap)
+        if key not in runs:
+            root = tmp_path_factory.mktemp(f"ema-{use_orig_params}-{wrap}")
+            _run(root / "ema", "--use-orig-params", use_orig_params, "--wrap", wrap)
+            runs[key] = root
+        return runs[key]
+
+    return get
+
+
+@pytest.mark.parametrize("use_orig_params, wrap", LAYOUTS, ids=IDS)
+def test_validation_computes_with_an_average_equal_to_that_of_the_gathered_weights(reference_runs, use_orig_params, wrap):
+    out = reference_runs(use_orig_params, wrap) / "ema" / "out"
+    for epoch in range(3):
+        seen, reference = _load(out / f"seen_e{epoch}.pt"), _load(out / f"reference_e{epoch}.pt")
+        assert sorted(seen) == sorted(reference)
+        for name in reference:
+            torch.testing.assert_close(seen[name], reference[name], rtol=1e-6, atol=1e-7, msg=f"epoch {epoch}: {name}")
+        training = _load(out / f"training_e{epoch}.pt")
+        assert any(not torch.equal(seen[n], training["before"][n]) for n in seen), "validation ran the training weights"
+        _identical(training["before"], training["after"], f"the training weights after validation, epoch {epoch}")
+
+
+def test_training_with_the_average_runs_the_same_steps_as_without_it(reference_runs, tmp_path):
+    root = reference_runs(0, "policy")
+    _run(tmp_path / "plain", "--ema", 0, "--reference", 0)
+    _identical(_load(tmp_path / "plain" / "out" / "final.pt"), _load(root / "ema" / "out" / "final.pt"), "final weights")
+
+
+@pytest.mark.parametrize("use_orig_params, wrap", LAYOUTS, ids=IDS)
+def test_a_run_resumed_in_new_processes_ends_with_the_same_average_bit_for_bit(reference_runs, tmp_path, use_orig_params, wrap):
+    root = reference_runs(use_orig_params, wrap)
+    resumed = tmp_path / "resumed"
+    (resumed / "ckpt").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(root / "ema" / "ckpt" / "epoch=0.ckpt", resumed / "ckpt" / "epoch=0.ckpt")
+    _run(resumed, "--use-orig-params", use_orig_params, "--wrap", wrap, "--resume", "epoch=0.ckpt", "--reference", 0)
+    _resumed_as(root, resumed, final=True)
+
+
+# torch 2.2 gathers the full optimizer state of use_orig_params=True through torch.cuda calls
+CUDA_ONLY_FULL_STATE = pytest.mark.skipif(TORCH[:2] == (2, 2), reason="torch 2.2 gathers optimizer state with"
+                                          " use_orig_params=True through torch.cuda calls, which fail without a GPU")
+
+
+@pytest.mark.parametrize("use_orig_params, wrap", [pytest.param(0, "policy", id="flat-policy"),
+                                                   pytest.param(1, "root", id="orig-root", marks=CUDA_ONLY_FULL_STATE)])
+def test_a_full_checkpoint_carries_the_average_and_a_resume_from_it_ends_with_it_bit_for_bit(
+        reference_runs, tmp_path, use_orig_params, wrap):
+    root = reference_runs(use_orig_params, wrap)
+    layout = ("--use-orig-params", use_orig_params, "--wrap", wrap, "--state-dict-type", "full", "--reference", 0)
+    _run(tmp_path / "full", *layout, "--epochs", 1)
+    written = torch.load(tmp_path / "full" / "ckpt" / "epoch=0.ckpt", weights_only=False)
+    _identical(_load(root / "ema" / "out" / "seen_e0.pt"), written["ema_state_dict"], "the full file's average")
+    resumed = tmp_path / "resumed"
+    _run(resumed, *layout, "--ckpt-dir", tmp_path / "full" / "ckpt", "--resume", "epoch=0.ckpt")
+    _resumed_as(root, resumed, final=True)
+
+
+@needs_async_save
+def test_a_checkpoint_saved_in_the_background_holds_the_average_of_its_step(reference_runs, tmp_path):
+    """Saves in the background (AsyncCheckpointIO) copy the average with the weights: the updates after the save
+    do not reach the checkpoint, and a resume from it ends as the run saved in the foreground."""
+    root = reference_runs(0, "policy")
+    _run(tmp_path, "--async-save", 0.5, "--reference", 0, "--epochs", 2)
+    resumed = tmp_path / "resumed"
+    _run(resumed, "--ckpt-dir", tmp_path / "ckpt", "--resume", "epoch=0.ckpt", "--reference", 0)
+    _resumed_as(root, resumed, final=False)
+
+
+def test_the_average_is_read_onto_three_ranks(reference_runs, tmp_path):
+    root = reference_runs(0, "policy")
+    _run(tmp_path, "--ckpt-dir", root / "ema" / "ckpt", "--validate", "epoch=1.ckpt", "--reference", 0, nproc=3)
+    _identical(_load(root / "ema" / "out" / "seen_e1.pt"), _load(tmp_path / "out" / "seen_e0.pt"), "the average on 3 ranks")
+
+
+def test_one_rank_which_fsdp_does_not_shard_is_refused_naming_the_setting(tmp_path):
+    output = ema_worker("--out", tmp_path / "out", "--ckpt-dir", tmp_path / "ckpt", nproc=1, expect_failure=True)
+    assert "ShardedEMA keeps its average on each rank's FSDP shards" in output
+    assert "Use FSDPStrategy's FULL_SHARD or SHARD_GRAD_OP sharding over 2 or more ranks" in output
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_checkpoint_without_an_average_starts_one_with_a_log_line(reference_runs, tmp_path):
+    plain = tmp_path / "plain"
+    _run(plain, "--ema", 0, "--reference", 0, "--epochs", 1)
+    output = _run(plain, "--resume", "epoch=0.ckpt", "--epochs", 2)
+    assert "holds no average of the weights; it starts anew at the next update" in output
+    seen, reference = _load(plain / "out" / "seen_e1.pt"), _load(plain / "out" / "reference_e1.pt")
+    for name in reference:
+        torch.testing.assert_close(seen[name], reference[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+# --- a full file and export: consolidate ---------------------------------------------------------------------------
+
+
+def test_consolidate_ema_writes_the_average_in_place_of_the_weights(reference_runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_fsdp_resume._consolidate import consolidate
+
+    root = reference_runs(0, "policy")
+    seen = _load(root / "ema" / "out" / "seen_e1.pt")
+    consolidate(root / "ema" / "ckpt" / "epoch=1.ckpt", tmp_path / "ema.ckpt", progress=False, ema=True)
+    written = torch.load(tmp_path / "ema.ckpt", weights_only=True)
+    assert "optimizer_states" not in written and "callbacks" not in written
+    _identical(seen, written["state_dict"], "consolidate --ema")
+    consolidate(root / "ema" / "ckpt" / "epoch=1.ckpt", tmp_path / "ema.safetensors", progress=False, ema=True,
+                format="safetensors", dtype="bf16")
+    _identical({name: value.to(torch.bfloat16) for name, value in seen.items()}, load_file(tmp_path / "ema.safetensors"),
+               "consolidate --ema --format safetensors --dtype bf16")
+
+
+def test_a_consolidated_file_carries_the_average_and_a_load_of_it_restores_it(reference_runs, tmp_path):
+    from lightning_fsdp_resume._consolidate import consolidate
+
+    root = reference_runs(0, "root")
+    consolidate(root / "ema" / "ckpt" / "epoch=1.ckpt", tmp_path / "ckpt" / "full.ckpt", progress=False)
+    written = torch.load(tmp_path / "ckpt" / "full.ckpt", weights_only=False)
+    _identical(_load(root / "ema" / "out" / "seen_e1.pt"), written["ema_state_dict"], "the full file's average")
+    _run(tmp_path, "--wrap", "root", "--validate", "full.ckpt", "--reference", 0)
+    _identical(_load(root / "ema" / "out" / "seen_e1.pt"), _load(tmp_path / "out" / "seen_e0.pt"), "the average loaded from the full file")
+
+
+def test_load_from_checkpoint_with_ema_loads_the_average_in_place_of_the_weights(reference_runs, tmp_path):
+    from support.trainer_worker import Net
+
+    root = reference_runs(0, "policy")
+    sharded = root / "ema" / "ckpt" / "epoch=1.ckpt"
+    averaged = Net.load_from_checkpoint(sharded, ema=True).state_dict()
+    _identical(_load(root / "ema" / "out" / "seen_e1.pt"), averaged, "load_from_checkpoint(ema=True)")
+    trained = Net.load_from_checkpoint(sharded).state_dict()
+    assert any(not torch.equal(trained[name], averaged[name]) for name in trained), "ema=True loaded the weights"
+    _run(tmp_path, "--ema", 0, "--reference", 0, "--epochs", 1)
+    with pytest.raises(ValueError, match=r"load_from_checkpoint\(ema=True\): the checkpoint '.*epoch=0\.ckpt' holds no"
+                                         r" average of the weights"):
+        Net.load_from_checkpoint(tmp_path / "ckpt" / "epoch=0.ckpt", ema=True)
+
+
+def test_consolidate_ema_of_a_checkpoint_without_an_average_is_refused(tmp_path):
+    from lightning_fsdp_resume._consolidate import consolidate
+
+    plain = tmp_path / "plain"
+    _run(plain, "--ema", 0, "--reference", 0, "--epochs", 1)
+    with pytest.raises(ValueError, match=r"--ema: the checkpoint '.*epoch=0\.ckpt' holds no average of the weights"):
+        consolidate(plain / "ckpt" / "epoch=0.ckpt", tmp_path / "ema.ckpt", progress=False, ema=True)
+    assert not (tmp_path / "ema.ckpt").exists()
+
+
+# --- refusals, in one process ----------------------------------------------------------------------------------------
+
+
+def _fit_one_process(strategy) -> None:
+    import lightning_fsdp_resume
+    from support.trainer_worker import L, Net, data
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[lightning_fsdp_resume.ShardedEMA()])
+    trainer.fit(Net(), train_dataloaders=data())
+
+
+def test_a_strategy_other_than_the_patched_fsdp_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"ShardedEMA averages the shards of the FSDPStrategy this package patches; this"
+                                         r" Trainer runs [\w.]+\.SingleDeviceStrategy, which it has not patched"):
+        _fit_one_process("auto")
+
+
+def test_an_unpatched_fsdp_strategy_is_refused_by_name(process_group, tmp_path):
+    import lightning_fsdp_resume as shim
+    from lightning_fsdp_resume.testing import enable_cpu_fsdp
+    from support.trainer_worker import FSDPStrategy
+
+    enable_cpu_fsdp()
+    shim.unpatch()  # what native Lightning's FSDPStrategy is to the callback: not this package's
+    try:
+        with pytest.raises(ValueError, match=r"this Trainer runs [\w.]+\.FSDPStrategy, which it has not patched"):
+            _fit_one_process(FSDPStrategy())
+    finally:
+        shim.patch()
