@@ -1,0 +1,130 @@
+"""What ``ShardedEMA`` costs a training step: its update of the average on each rank's shards against the optimizer
+step it follows (Adam), and the memory the average takes against one float32 shard, on FSDP ranks on the CPU.
+
+    python benchmarks/ema_cost.py [--ranks 2] [--sizes 0.4,1.6] [--repeats 5] [--steps 5]
+
+``--sizes``: GB of training state (weights and Adam's two states, float32) over all ranks: a model of square layers
+wrapped one FSDP unit each. Each repeat times ``--steps`` optimizer steps and as many updates on every rank (the
+slowest rank counts); printed are the medians over the repeats with their spread, and the ratios the targets are set
+on: an update ≤ 10 % of the optimizer step, the average's memory ≤ 1.05 × one float32 shard.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+UPDATE_TARGET = 0.10  # update / optimizer step
+MEMORY_TARGET = 1.05  # the average's resident memory / one float32 shard
+WIDTH = 1024
+BYTES_PER_WEIGHT = 4 * 3  # the weight and Adam's two states, float32
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from lightning_fsdp_resume import _ema
+    from lightning_fsdp_resume.testing import enable_cpu_fsdp
+    from peak_rss import rss_bytes
+
+    dist.init_process_group("gloo")
+    enable_cpu_fsdp()
+    torch.manual_seed(0)
+    layers = max(1, round(args.size * 1e9 / BYTES_PER_WEIGHT / (WIDTH * WIDTH)))
+    model = FSDP(nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH)) for _ in range(layers))),
+                 auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), device_id=torch.device("cpu"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()  # Adam's states exist
+    average = _ema.Average(decay=0.999)
+    shard_bytes = sum(param.numel() * 4 for param in model.parameters())
+    before = rss_bytes()
+    average.update(model)  # the first update makes the average
+    grown = rss_bytes() - before
+    steps, updates = [], []
+    for _ in range(args.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            optimizer.step()
+        steps.append((time.perf_counter() - start) / args.steps)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            average.update(model)
+        updates.append((time.perf_counter() - start) / args.steps)
+    record = {"rank": dist.get_rank(), "layers": layers, "shard_bytes": shard_bytes, "grown": grown, "steps": steps,
+              "updates": updates}
+    (Path(args.out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    dist.barrier()
+    import gc
+
+    del model, optimizer, average
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def measure(size: float, ranks: int, repeats: int, steps: int) -> Dict:
+    """One size on ``ranks`` ranks: every rank's record."""
+    with tempfile.TemporaryDirectory() as out:
+        here = Path(__file__).resolve()
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=os.pathsep.join([str(here.parents[1]), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                        str(here), "--rank-program", "--size", str(size), "--out", out, "--repeats", str(repeats),
+                        "--steps", str(steps)], check=True, env=env, stdout=subprocess.DEVNULL)
+        return {"size": size, "records": [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]}
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.1f} ms ({min(values) * 1e3:.1f}–{max(values) * 1e3:.1f})"
+
+
+def report(results: List[Dict], ranks: int) -> str:
+    lines = [f"ShardedEMA's cost on {ranks} CPU ranks (medians over the repeats, spread in brackets; slowest rank)",
+             "| state | layers | optimizer step | EMA update | update / step | average's memory / fp32 shard |",
+             "|---|---|---|---|---|---|"]
+    for result in results:
+        records = result["records"]
+        steps = [max(r["steps"][i] for r in records) for i in range(len(records[0]["steps"]))]
+        updates = [max(r["updates"][i] for r in records) for i in range(len(records[0]["updates"]))]
+        ratio = statistics.median(updates) / statistics.median(steps)
+        memory = max(r["grown"] / r["shard_bytes"] for r in records)
+        verdict = "met" if ratio <= UPDATE_TARGET and memory <= MEMORY_TARGET else "missed"
+        lines.append(f"| {result['size']} GB | {records[0]['layers']} | {_spread(steps)} | {_spread(updates)} | {ratio:.3f}"
+                     f" (≤ {UPDATE_TARGET}) | {memory:.3f} (≤ {MEMORY_TARGET}) {verdict} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--sizes", default="0.4,1.6", help="GB of training state, comma-separated (default 0.4,1.6)")
+    parser.add_argument("--repeats", type=int, default=5, help="at least 3 (default 5)")
+    parser.add_argument("--steps", type=int, default=5, help="steps and updates timed in each repeat (default 5)")
+    parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_program:
+        rank_main(args)
+        return 0
+    if args.repeats < 3:
+        parser.error("--repeats: at least 3, for a median and its spread")
+    results = [measure(float(size), args.ranks, args.repeats, args.steps) for size in args.sizes.split(",")]
+    print(report(results, args.ranks))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
