@@ -172,9 +172,14 @@ def _load_sharded_average(path: Location, restore: Restore, key: str, average: A
     if not stored:
         average.start_fresh(str(path))
         return
-    expected = _format.strip_prefix(average.shapes(restore.module), restore.prefix)
-    keys = _preflight.loadable_keys(path, expected, stored, strict=True)
+    keys = _average_keys(path, restore, average, stored)
     average.read(restore.module, checked.reader(path), {restore.prefix + name: f"{key}.{name}" for name in keys})
+
+
+def _average_keys(path: Location, restore: Restore, average: Any, stored: Dict[str, Any]) -> Set[str]:
+    """The parameters of a stored average (``stored``: their shapes) to load, strictly: another model's is refused."""
+    expected = _format.strip_prefix(average.shapes(restore.module), restore.prefix)
+    return _preflight.loadable_keys(path, expected, stored, strict=True)
 
 
 def load_full(
@@ -201,8 +206,7 @@ def load_full(
         if average_state is None:
             average.start_fresh(str(path))
             continue
-        expected = _format.strip_prefix(average.shapes(module), prefix)
-        keys = _preflight.loadable_keys(path, expected, _preflight.tensor_shapes(average_state), strict=True)
+        keys = _average_keys(path, restore, average, _preflight.tensor_shapes(average_state))
         average.copy(module, {prefix + name: average_state[name] for name in keys})
     for other_key, other in restore.modules.items():
         stored = other_states[other_key]

@@ -109,7 +109,7 @@ def training_tensors(module: Any, optimizers: Iterable[Any]) -> Iterator[Any]:
     if module is not None:
         yield from module.parameters()
         yield from module.buffers()
-        yield from (flat.param._local_shard for flat in _shard_layout.flat_shards(module) or ())
+        yield from map(_shard_layout.local_shard, _shard_layout.flat_shards(module) or ())
         yield from _ema.tensors_in(module)  # an average of the weights, updated after each step
     for optimizer in optimizers:
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own

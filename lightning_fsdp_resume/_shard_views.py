@@ -39,7 +39,7 @@ def model_state(model: Any) -> Dict[str, Any]:
     if reason is not None:
         raise UnknownLayout(reason)
     params: Dict[str, Dict[str, Any]] = {}  # by the module that owns them, in registration order within it
-    for name, value in parameter_state(flats, lambda flat: flat.param._local_shard).items():
+    for name, value in parameter_state(flats, _shard_layout.local_shard).items():
         params.setdefault(name.rpartition(".")[0], {})[name] = value
     # Module.state_dict()'s order, which readers take the modules' order from: a module's parameters, then its
     # buffers, then its children's
