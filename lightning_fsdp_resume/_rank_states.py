@@ -1,23 +1,33 @@
 """What each rank keeps to itself and a checkpoint must hold once per rank for an exact resume: its RNG states and the
-buffers its own batches updated (FSDP does not synchronise buffers, e.g. BatchNorm's statistics), as one list by rank,
-``rank_states``, written by rank 0, read with ``weights_only=True``, restored on the world size that saved it.
+buffers its own batches updated (FSDP does not synchronise buffers, e.g. BatchNorm's statistics) and the average of
+them ``ShardedEMA`` keeps (``_ema``), as one list by rank, ``rank_states``, written by rank 0, read with
+``weights_only=True``, restored on the world size that saved it.
 """
 import pickle
 import random
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import _format, _unpickling
+from . import _ema, _format, _unpickling
 from . import _torch_compat as compat
 from ._ranks import agree
 
 KEY = "rank_states"  # the checkpoint entry (the Trainer's; Fabric: wherever the user puts a RankStates)
+# each rank's holds the rank's buffers by their clean names (``_buffers``) under BUFFERS, and, where ShardedEMA
+# averages the weights, the average's buffers by the same names under AVERAGE_BUFFERS
+BUFFERS, AVERAGE_BUFFERS = "buffers", "average_buffers"
 
 
 def capture(module: Any) -> Dict[str, Any]:
-    """This rank's RNG states (``rng_state``) and its buffers by their clean names, copied to the CPU."""
-    buffers = {} if module is None else {name: value.detach().cpu().clone() for name, value in _buffers(module).items()}
-    return {"rng": rng_state(), "buffers": buffers}
+    """This rank's RNG states (``rng_state``) and its buffers (and their average's) by their clean names, copied to
+    the CPU."""
+    state: Dict[str, Any] = {"rng": rng_state(), BUFFERS: {}}
+    if module is not None:
+        state[BUFFERS] = {name: value.detach().cpu().clone() for name, value in _buffers(module).items()}
+        averaged = _average_buffers(module)
+        if averaged:
+            state[AVERAGE_BUFFERS] = {name: value.detach().cpu().clone() for name, value in averaged.items()}
+    return state
 
 
 def rng_state() -> Dict[str, Any]:
@@ -73,12 +83,14 @@ def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
     if everyone is None:
         return None
     states = [_unpickling.loads(blob, "the gathered rank states", trusted=True) for blob in everyone]  # this run's
-    reference = states[0]["buffers"]
-    for state in states[1:]:  # rank 0's are all kept: a strategy may store any rank's copy in the model's entry
-        state["buffers"] = {
-            name: value for name, value in state["buffers"].items()
-            if name not in reference or not torch.equal(value, reference[name])
-        }
+    for key in (BUFFERS, AVERAGE_BUFFERS):
+        reference = states[0].get(key, {})
+        for state in states[1:]:  # rank 0's are all kept: a strategy may store any rank's copy in the model's entry
+            if key in state:
+                state[key] = {
+                    name: value for name, value in state[key].items()
+                    if name not in reference or not torch.equal(value, reference[name])
+                }
     return states
 
 
@@ -104,13 +116,12 @@ def restore_buffers(states: Any, module: Any, where: str = "The checkpoint") -> 
                 " generator states and rank-local buffers are not restored (every rank has rank 0's buffers)."
             )
         return False
-    buffers = states[rank]["buffers"]
-    if module is not None and buffers:
-        mine = _buffers(module)
+    if module is not None:
         with torch.no_grad():
-            for name, value in buffers.items():
-                if name in mine:
-                    mine[name].copy_(value)
+            for key, mine in ((BUFFERS, _buffers(module)), (AVERAGE_BUFFERS, _average_buffers(module))):
+                for name, value in states[rank].get(key, {}).items():
+                    if name in mine:
+                        mine[name].copy_(value)
     return True
 
 
@@ -147,4 +158,13 @@ def _buffers(module: Any) -> Dict[str, Any]:
     """The module's buffers by the names its author gave them: no FSDP, activation-checkpointing or Lightning
     wrapper segments (2.0.x's ``_LightningModuleWrapperBase`` and Fabric's ``_FabricModule`` both call the
     module they wrap ``_forward_module``)."""
-    return {_format.clean_module_name(name).replace("_forward_module.", ""): buffer for name, buffer in module.named_buffers()}
+    return {_author_name(_format.clean_module_name(name)): buffer for name, buffer in module.named_buffers()}
+
+
+def _average_buffers(module: Any) -> Dict[str, Any]:
+    """The average's buffers (``_ema``) of the model ``module``, by the names ``_buffers`` gives theirs."""
+    return {_author_name(name): buffer for name, buffer in _ema.buffers_in(module).items()}
+
+
+def _author_name(name: str) -> str:
+    return name.replace("_forward_module.", "")

@@ -164,10 +164,11 @@ def write_sharded_in_background(strategy: Any, filepath: Any, stored: Dict[str, 
 
 def _sharded_destination(strategy: Any, filepath: Any, stored: Dict[str, Any], model_key: str) -> Tuple[Location, Location]:
     """Once the previous background save is written: the destination and its partial sibling, with rank 0's buffers
-    in the model's entry."""
+    in the model's entry and the average's."""
     _background.wait(strategy)
-    if model_key in stored:
-        stored[model_key] = with_rank_zeros_buffers(strategy, stored[model_key])
+    for key in (model_key, _format.EMA_KEY):  # the weights' and their average's (``_ema``)
+        if key in stored:
+            stored[key] = with_rank_zeros_buffers(strategy, stored[key])
     return _destination(strategy, filepath, _format.SHARDED)
 
 

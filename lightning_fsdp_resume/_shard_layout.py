@@ -128,11 +128,22 @@ def parameter_shapes(model: Any) -> Optional[Dict[str, Tuple[int, ...]]]:
     flats = flat_shards(model)
     if flats is None or not_only_flat_parameters(model, flats) is not None:
         return None
-    for module in model.modules():
-        buffers = {name for name, buffer in module._buffers.items() if buffer is not None}
-        if buffers - set(module._non_persistent_buffers_set):
-            return None
+    if persistent_buffers(model):
+        return None
     return {name: shape for flat in flats for name, shape in zip(flat.names, flat.shapes)}
+
+
+def persistent_buffers(model: Any) -> Dict[str, Any]:
+    """``model``'s buffers that its state dict holds (not those registered ``persistent=False``), by the names FSDP
+    gives them in state dicts (``_format.clean_module_name``'s)."""
+    from ._format import clean_module_name
+
+    return {
+        clean_module_name(f"{module_name}.{name}" if module_name else name): buffer
+        for module_name, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    }
 
 
 def not_only_flat_parameters(model: Any, flats: List[FlatShard]) -> Optional[str]:
@@ -178,14 +189,17 @@ def copy_model_into_shards(model: Any, values: Dict[str, Any], into: Optional[Ca
 
 
 def read_model_into_shards(model: Any, reader: Any, stored: Dict[str, str],
-                           into: Optional[Callable[[FlatShard], Any]] = None) -> None:
+                           into: Optional[Callable[[FlatShard], Any]] = None, whole: Optional[Dict[str, Any]] = None) -> None:
     """Read, for each original parameter name in ``stored``, this rank's part of the checkpoint entry
     ``stored[name]`` straight into the flat parameters' local shards, through torch DCP's storage ``reader`` (a
     collective). ``into(flat)``: a 1-D tensor laid out as ``flat``'s local shard to read into instead (an average
-    kept beside the weights, ``_ema``)."""
+    kept beside the weights, ``_ema``). ``whole``: tensors, by names in ``stored``, read whole in the same load."""
     import torch
 
     views = ViewsReader()
+    for name, tensor in (whole or {}).items():
+        if name in stored:
+            views.add(stored[name], (0,) * tensor.dim(), tensor)
     for flat in _known_flat_shards(model):
         shapes = dict(zip(flat.names, flat.shapes))
         target = flat.param.data if into is None else into(flat)

@@ -30,6 +30,11 @@ class ShardedEMA(*_callback_bases()):  # type: ignore[misc]
     end of each epoch from ``update_starting_at_epoch`` on. Validation, test and predict run with the average in
     the shards (``evaluate=False``: with the training weights), which training gets back bit for bit after them.
 
+    The model's persistent buffers (BatchNorm's running statistics) go with the average: ``use_buffers=True`` averages
+    the floating ones by the same rule (the others, such as ``num_batches_tracked``, are copied), ``use_buffers=False``
+    copies them all at each update; evaluation swaps them in too. Each rank keeps its own, as FSDP keeps each rank's
+    buffers, and a checkpoint every rank's.
+
     Sharded checkpoints carry the average beside the weights (entry ``ema``, in their layout, so it reshards), full
     ones as ``ema_state_dict`` (gathered to rank 0 as the weights are); a resume restores it exactly, and one from a
     checkpoint without it starts a new average, with a log line.
@@ -48,7 +53,7 @@ class ShardedEMA(*_callback_bases()):  # type: ignore[misc]
         self.update_starting_at_epoch = update_starting_at_epoch
         self.use_buffers = use_buffers
         self.evaluate = evaluate
-        self._average = _ema.Average(decay, dtype)
+        self._average = _ema.Average(decay, dtype, use_buffers)
         self._latest_update_step = 0
 
     @property
@@ -70,11 +75,6 @@ class ShardedEMA(*_callback_bases()):  # type: ignore[misc]
                 f"ShardedEMA averages the shards of the FSDPStrategy this package patches; this Trainer runs"
                 f" {type(strategy).__module__}.{type(strategy).__name__}, which it has not patched. Use"
                 " `strategy=FSDPStrategy(...)` of Lightning 2.0.x, with lightning_fsdp_resume patching (its default)."
-            )
-        if self.use_buffers and any(buffer.is_floating_point() for buffer in pl_module.buffers()):
-            raise ValueError(
-                f"ShardedEMA(use_buffers=True) would average {type(pl_module).__name__}'s buffers, which it cannot yet:"
-                " pass use_buffers=False to evaluate the average with the training run's buffers."
             )
         _ema.attach(pl_module, self._average)
 

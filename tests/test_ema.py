@@ -144,6 +144,72 @@ def test_a_checkpoint_without_an_average_starts_one_with_a_log_line(reference_ru
         torch.testing.assert_close(seen[name], reference[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+# --- buffers: BatchNorm's running statistics, which each rank updates from its own batches ------------------------
+
+
+def _buffers(root: Path, epoch: int, rank: int) -> dict:
+    return _load(root / "out" / f"buffers_e{epoch}_rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def buffered_run(tmp_path_factory):
+    """The uninterrupted run of a model with BatchNorm, use_buffers=True, sharded checkpoints."""
+    root = tmp_path_factory.mktemp("ema-buffered")
+    _run(root, "--net", "buffered")
+    return root
+
+
+def test_validation_computes_with_each_ranks_average_of_its_own_buffers(buffered_run):
+    ranks = [[_buffers(buffered_run, epoch, rank) for rank in (0, 1)] for epoch in range(3)]
+    assert any(not torch.equal(ranks[0][0]["before"][n], ranks[0][1]["before"][n]) for n in ranks[0][0]["before"]), \
+        "the ranks' batches left them the same statistics: the test would not tell one rank's buffers from another's"
+    for epoch, by_rank in enumerate(ranks):
+        for rank, buffers in enumerate(by_rank):
+            what = f"epoch {epoch}, rank {rank}"
+            for name, reference in buffers["reference"].items():
+                torch.testing.assert_close(buffers["seen"][name], reference, rtol=1e-6, atol=1e-7, msg=f"{what}: {name}")
+            assert not torch.equal(buffers["seen"]["body.1.running_mean"], buffers["before"]["body.1.running_mean"])
+            _identical(buffers["before"], buffers["after"], f"the training buffers after validation, {what}")
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_resume_restores_each_ranks_average_of_its_buffers_bit_for_bit(buffered_run, tmp_path, kind):
+    """Rank 1's average of its buffers differs from rank 0's: a checkpoint keeps each rank's, sharded or full."""
+    source = buffered_run
+    if kind == "full":
+        source = tmp_path / "full"
+        _run(source, "--net", "buffered", "--state-dict-type", "full", "--epochs", 1, "--reference", 0)
+        written = torch.load(source / "ckpt" / "epoch=0.ckpt", weights_only=False)["ema_state_dict"]
+        _identical(_buffers(buffered_run, 0, 0)["seen"], {n: written[n] for n in _buffers(buffered_run, 0, 0)["seen"]},
+                   "the full file's average of the buffers: rank 0's")
+    resumed = tmp_path / "resumed"
+    _run(resumed, "--net", "buffered", "--state-dict-type", kind, "--ckpt-dir", source / "ckpt",
+         "--resume", "epoch=0.ckpt", "--reference", 0)
+    for epoch in (1, 2):
+        for rank in (0, 1):
+            _identical(_buffers(buffered_run, epoch, rank)["seen"], _buffers(resumed, epoch, rank)["seen"],
+                       f"rank {rank}'s average of its buffers validated after epoch {epoch}")
+    _identical(_load(buffered_run / "out" / "seen_e2.pt"), _load(resumed / "out" / "seen_e2.pt"), "the average, epoch 2")
+
+
+def test_on_three_ranks_each_validates_with_rank_zeros_average_of_the_buffers(buffered_run, tmp_path):
+    _run(tmp_path, "--net", "buffered", "--ckpt-dir", buffered_run / "ckpt", "--validate", "epoch=1.ckpt",
+         "--reference", 0, nproc=3)
+    for rank in range(3):
+        _identical(_buffers(buffered_run, 1, 0)["seen"], _buffers(tmp_path, 0, rank)["seen"], f"rank {rank}'s buffers")
+    _identical(_load(buffered_run / "out" / "seen_e1.pt"), _load(tmp_path / "out" / "seen_e0.pt"), "the average on 3 ranks")
+
+
+def test_without_use_buffers_validation_runs_the_buffers_of_the_latest_update(tmp_path):
+    _run(tmp_path, "--net", "buffered", "--use-buffers", 0, "--epochs", 1)
+    for rank in (0, 1):
+        buffers = _buffers(tmp_path, 0, rank)
+        _identical(buffers["reference"], buffers["seen"], f"rank {rank}'s buffers copied at the latest update")
+        _identical(buffers["before"], buffers["seen"], f"rank {rank}: the latest update followed the last step")
+    assert any(not torch.equal(a, b) for a, b in zip(_load(tmp_path / "out" / "seen_e0.pt").values(),
+                                                     _load(tmp_path / "out" / "training_e0.pt")["before"].values()))
+
+
 # --- a full file and export: consolidate ---------------------------------------------------------------------------
 
 

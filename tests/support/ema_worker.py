@@ -4,7 +4,10 @@ It fits the Trainer worker's ``Net`` with a validation after every epoch and a s
 end, or validates a checkpoint. Rank 0 writes, gathered by torch's ``summon_full_params`` (never by the package):
 ``seen_e{epoch}.pt``, the weights validation computes with; ``training_e{epoch}.pt``, the training weights before
 and after it (``before``/``after``); ``reference_e{epoch}.pt``, an average of the gathered weights kept beside the run
-by the rule of torch's ``AveragedModel`` (``--reference``); ``final.pt``, the training weights at the end.
+by the rule of torch's ``AveragedModel`` (``--reference``); ``final.pt``, the training weights at the end. Every
+rank writes ``buffers_e{epoch}_rank{rank}.pt``: its own buffers as validation sees them (``seen``), its training
+buffers before and after it, and the reference average of them (``--net buffered``: BatchNorm's statistics, which
+differ by rank).
 """
 import argparse
 import os
@@ -22,7 +25,7 @@ if __name__ == "__main__":  # run as a script: `support` is in tests/
 from support import states  # noqa: E402
 from support.faults import trace_saves  # noqa: E402
 from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
-from support.trainer_worker import FSDPStrategy, L, ModelCheckpoint, Net, data  # noqa: E402
+from support.trainer_worker import BufferedNet, FSDPStrategy, L, ModelCheckpoint, Net, data  # noqa: E402
 
 Callback = L.Callback
 
@@ -31,24 +34,42 @@ def gathered(trainer) -> dict:
     return states.full_weights(trainer.model, trainer.lightning_module)
 
 
+def own_buffers(pl_module) -> dict:
+    """This rank's buffers, by the names the module's author gave them."""
+    return {states.clean(name): value.detach().clone() for name, value in pl_module.named_buffers()}
+
+
+def rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
 class Reference(Callback):
     """After every optimizer step, the average of the gathered weights as torch's ``AveragedModel`` with
-    ``get_ema_multi_avg_fn(decay)`` keeps it: the first step copies, each later one ``lerp``s by ``1 - decay``."""
+    ``get_ema_multi_avg_fn(decay)`` keeps it: the first step copies, each later one ``lerp``s by ``1 - decay``; and
+    each rank's of its own buffers (``use_buffers``: the floating ones averaged, the others copied; else all copied)."""
 
-    def __init__(self, out: Path, decay: float) -> None:
-        self.out, self.decay, self.average = out, decay, None
+    def __init__(self, out: Path, decay: float, use_buffers: bool) -> None:
+        self.out, self.decay, self.use_buffers = out, decay, use_buffers
+        self.average, self.buffers = None, {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         weights = gathered(trainer)
+        buffers = own_buffers(pl_module)
+        averaged = sorted(n for n, b in buffers.items() if self.use_buffers and b.is_floating_point())
         if self.average is None:
             self.average = {name: value.clone() for name, value in weights.items()}
+            self.buffers = buffers
         else:
             names = sorted(weights)
             torch._foreach_lerp_([self.average[n] for n in names], [weights[n] for n in names], 1 - self.decay)
+            for name in averaged:
+                self.buffers[name].lerp_(buffers[name], 1 - self.decay)
+            self.buffers.update((name, value) for name, value in buffers.items() if name not in averaged)
 
     def on_validation_start(self, trainer, pl_module):
         if trainer.global_rank == 0 and self.average is not None:
             torch.save(self.average, self.out / f"reference_e{trainer.current_epoch}.pt")
+        self.seen_buffers = {name: value.clone() for name, value in self.buffers.items()}
 
 
 class Before(Callback):
@@ -56,23 +77,29 @@ class Before(Callback):
 
     def on_validation_start(self, trainer, pl_module):
         self.weights = gathered(trainer)
+        self.buffers = own_buffers(pl_module)
 
 
 class After(Callback):
     """After ShardedEMA: sees what validation computes with, and the weights once it has ended."""
 
-    def __init__(self, out: Path, before: Before) -> None:
-        self.out, self.before = out, before
+    def __init__(self, out: Path, before: Before, reference) -> None:
+        self.out, self.before, self.reference = out, before, reference
 
     def on_validation_start(self, trainer, pl_module):
         self.seen = gathered(trainer)
+        self.seen_buffers = own_buffers(pl_module)
 
     def on_validation_end(self, trainer, pl_module):
         after = gathered(trainer)
+        epoch = trainer.current_epoch
         if trainer.global_rank == 0:
-            epoch = trainer.current_epoch
             torch.save(self.seen, self.out / f"seen_e{epoch}.pt")
             torch.save({"before": self.before.weights, "after": after}, self.out / f"training_e{epoch}.pt")
+        buffers = {"seen": self.seen_buffers, "before": self.before.buffers, "after": own_buffers(pl_module)}
+        if self.reference is not None:
+            buffers["reference"] = self.reference.seen_buffers
+        torch.save(buffers, self.out / f"buffers_e{epoch}_rank{rank()}.pt")
 
     def on_train_end(self, trainer, pl_module):
         final = gathered(trainer)  # a collective: every rank
@@ -90,6 +117,8 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="a checkpoint in --ckpt-dir to fit on from")
     parser.add_argument("--validate", default=None, help="a checkpoint in --ckpt-dir to validate, instead of fitting")
     parser.add_argument("--ema", type=int, default=1, help="0: no ShardedEMA (a run to compare with)")
+    parser.add_argument("--net", choices=["plain", "buffered"], default="plain", help="buffered: BatchNorm in the body")
+    parser.add_argument("--use-buffers", type=int, default=1)
     parser.add_argument("--reference", type=int, default=1)
     parser.add_argument("--decay", type=float, default=0.75)
     parser.add_argument("--state-dict-type", default="sharded")
@@ -107,17 +136,18 @@ def main() -> None:
     before = Before()
     callbacks = [ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{epoch}", save_top_k=-1), before]
     if args.ema:
-        callbacks.append(lightning_fsdp_resume.ShardedEMA(decay=args.decay))
-    if args.reference:
-        callbacks.append(Reference(args.out, args.decay))
-    callbacks.append(After(args.out, before))
+        callbacks.append(lightning_fsdp_resume.ShardedEMA(decay=args.decay, use_buffers=bool(args.use_buffers)))
+    reference = Reference(args.out, args.decay, bool(args.use_buffers)) if args.reference else None
+    if reference is not None:
+        callbacks.append(reference)
+    callbacks.append(After(args.out, before, reference))
     plugins = [TRAINER_UNDER_TEST.module("plugins.io").AsyncCheckpointIO()] if args.async_save is not None else []
     trainer = L.Trainer(plugins=plugins, accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         strategy=strategy, max_epochs=args.epochs, callbacks=callbacks, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
     if args.async_save is not None:  # training goes on, and the average is updated, while each save writes
-        trace_saves(trainer.strategy, args.out / f"saves_rank{os.environ.get('RANK', '0')}.txt", args.async_save)
-    model = Net()
+        trace_saves(trainer.strategy, args.out / f"saves_rank{rank()}.txt", args.async_save)
+    model = BufferedNet() if args.net == "buffered" else Net()
     if args.validate:
         trainer.validate(model, dataloaders=data(), ckpt_path=str(args.ckpt_dir / args.validate))
     else:
