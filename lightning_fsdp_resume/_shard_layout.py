@@ -42,7 +42,7 @@ class FlatShard(NamedTuple):
     shared: bool  # some original parameter appears under a second name (tied weights)
     rank: int  # this rank, and how many share the flat parameter, in FSDP's process group
     world: int
-    whole_shards: bool  # FULL_SHARD or SHARD_GRAD_OP: each element on exactly one rank of that group
+    whole_shards: bool  # each element on exactly one rank of that group (FULL_SHARD, SHARD_GRAD_OP; one rank's NO_SHARD)
 
 
 class Layout(NamedTuple):
@@ -66,14 +66,16 @@ def _handles(model: Any) -> Iterator[Tuple[str, Any]]:
 
 def flat_shards(model: Any) -> Optional[List[FlatShard]]:
     """Every flat parameter of ``model`` with what this rank holds of it; None if FSDP's layout is not one
-    this module knows (the answer is the same on every rank, so all of them take the same path)."""
+    this module knows (the answer is the same on every rank, so all of them take the same path). On one rank FSDP
+    shards nothing (``NO_SHARD``): the flat parameter is that rank's one shard, with the same metadata."""
     from ._format import clean_module_name
 
     found = []
     for unit_name, handle in _handles(model):
         flat = handle.flat_param
         infos = getattr(flat, "_shard_param_infos", None)
-        if not handle.uses_sharded_strategy or infos is None or len(infos) != len(flat._fqns):
+        alone = handle.world_size == 1
+        if not (handle.uses_sharded_strategy or alone) or infos is None or len(infos) != len(flat._fqns):
             return None
         names = tuple(clean_module_name(f"{unit_name}.{fqn}" if unit_name else fqn) for fqn in flat._fqns)
         pieces = tuple(
@@ -89,7 +91,7 @@ def flat_shards(model: Any) -> Optional[List[FlatShard]]:
         shapes = tuple(tuple(shape) for shape in flat._shapes)
         strategy = getattr(getattr(handle, "_sharding_strategy", None), "name", "")
         found.append(FlatShard(flat, names, shapes, pieces, originals, bool(flat._shared_param_infos), handle.rank,
-                               handle.world_size, strategy in ("FULL_SHARD", "SHARD_GRAD_OP")))
+                               handle.world_size, alone or strategy in ("FULL_SHARD", "SHARD_GRAD_OP")))
     return found or None
 
 

@@ -121,17 +121,24 @@ def test_a_checkpoint_saved_in_the_background_holds_the_average_of_its_step(refe
     _resumed_as(root, resumed, final=False)
 
 
-def test_the_average_is_read_onto_three_ranks(reference_runs, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_the_average_is_read_onto_another_number_of_ranks(reference_runs, tmp_path, nproc):
+    """On one rank FSDP shards nothing (NO_SHARD): the average is that rank's whole flat parameters."""
     root = reference_runs(0, "policy")
-    _run(tmp_path, "--ckpt-dir", root / "ema" / "ckpt", "--validate", "epoch=1.ckpt", "--reference", 0, nproc=3)
-    _identical(_load(root / "ema" / "out" / "seen_e1.pt"), _load(tmp_path / "out" / "seen_e0.pt"), "the average on 3 ranks")
+    _run(tmp_path, "--ckpt-dir", root / "ema" / "ckpt", "--validate", "epoch=1.ckpt", "--reference", 0, nproc=nproc)
+    _identical(_load(root / "ema" / "out" / "seen_e1.pt"), _load(tmp_path / "out" / "seen_e0.pt"),
+               f"the average on {nproc} ranks")
 
 
-def test_one_rank_which_fsdp_does_not_shard_is_refused_naming_the_setting(tmp_path):
-    output = ema_worker("--out", tmp_path / "out", "--ckpt-dir", tmp_path / "ckpt", nproc=1, expect_failure=True)
-    assert "ShardedEMA keeps its average on each rank's FSDP shards" in output
-    assert "Use FSDPStrategy's FULL_SHARD or SHARD_GRAD_OP sharding over 2 or more ranks" in output
-    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+@pytest.mark.parametrize("use_orig_params", [0, 1], ids=["flat", "orig"])
+def test_a_run_on_one_rank_averages_its_whole_flat_parameters(tmp_path, use_orig_params):
+    _run(tmp_path, "--use-orig-params", use_orig_params, "--wrap", "root", "--epochs", 1, nproc=1)
+    seen, reference = _load(tmp_path / "out" / "seen_e0.pt"), _load(tmp_path / "out" / "reference_e0.pt")
+    assert sorted(seen) == sorted(reference)
+    for name in reference:
+        torch.testing.assert_close(seen[name], reference[name], rtol=1e-6, atol=1e-7, msg=name)
+    training = _load(tmp_path / "out" / "training_e0.pt")
+    _identical(training["before"], training["after"], "the training weights after validation")
 
 
 def test_a_checkpoint_without_an_average_starts_one_with_a_log_line(reference_runs, tmp_path):

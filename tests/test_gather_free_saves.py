@@ -76,19 +76,47 @@ def test_a_fabric_save_from_the_shards_reads_back_as_fsdps_builder_writes_it(tmp
     assert_ranks_identical(tmp_path / "out", "final", ref / "out", "final")
 
 
-def test_a_layout_the_package_does_not_know_is_saved_by_fsdps_builder(process_group, caplog):
-    """One rank: FSDP shards nothing (NO_SHARD), so there are no flat shards to build from."""
+class _WithExtraState(torch.nn.Linear):
+    """A linear layer with extra state, which the shard views leave to FSDP's builder."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 3)
+
+    def get_extra_state(self):
+        return {"calls": 3}
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "NO_SHARD"])
+def test_a_layout_the_package_does_not_know_is_saved_by_fsdps_builder(process_group, caplog, sharding):
+    """A module with extra state, on one rank (where FSDP shards nothing: its NO_SHARD is one rank's shard all the
+    same) under either sharding strategy."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
     torch.manual_seed(0)
-    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"),
-                 sharding_strategy=ShardingStrategy.NO_SHARD)
+    model = FSDP(torch.nn.Sequential(_WithExtraState(), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"),
+                 sharding_strategy=ShardingStrategy[sharding])
     with caplog.at_level(logging.DEBUG, logger=_saving.__name__):
         state = _saving.model_state(model, "sharded", offload=False)
     expected = compat.model_state_dict(model, full=False, offload=False)
     assert_identical({k: _whole(v) for k, v in expected.items()}, {k: _whole(v) for k, v in state.items()}, "the state")
-    assert "FSDP builds this sharded state dict: FSDP's flat-parameter layout is not one" in caplog.text
+    assert "FSDP builds this sharded state dict: module '0' has extra state" in caplog.text
+
+
+def test_one_ranks_flat_parameters_are_saved_from_the_shards(process_group, caplog):
+    """On one rank FSDP switches to NO_SHARD: the flat parameter is the rank's one shard, and is saved as it lies."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"))
+    with caplog.at_level(logging.DEBUG, logger=_saving.__name__):
+        state = _saving.model_state(model, "sharded", offload=False)
+    expected = compat.model_state_dict(model, full=False, offload=False)
+    assert_identical({k: _whole(v) for k, v in expected.items()}, {k: _whole(v) for k, v in state.items()}, "the state")
+    assert "FSDP builds this sharded state dict" not in caplog.text
 
 
 def _whole(value):
