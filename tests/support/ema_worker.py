@@ -107,6 +107,14 @@ class After(Callback):
             torch.save(final, self.out / "final.pt")
 
 
+class MixedNet(Net):
+    """Net whose outputs, bfloat16 under mixed precision, go to the loss as float32 (torch < 2.5's CPU
+    ``mse_loss`` has no bfloat16 kernel)."""
+
+    def forward(self, x):
+        return super().forward(x).float()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -119,6 +127,8 @@ def main() -> None:
     parser.add_argument("--ema", type=int, default=1, help="0: no ShardedEMA (a run to compare with)")
     parser.add_argument("--net", choices=["plain", "buffered"], default="plain", help="buffered: BatchNorm in the body")
     parser.add_argument("--use-buffers", type=int, default=1)
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="FSDP computes and reduces in bfloat16 (MixedPrecision), from float32 shards")
     parser.add_argument("--reference", type=int, default=1)
     parser.add_argument("--decay", type=float, default=0.75)
     parser.add_argument("--state-dict-type", default="sharded")
@@ -132,6 +142,11 @@ def main() -> None:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     wrapping = {"auto_wrap_policy": ModuleWrapPolicy({nn.Sequential})} if args.wrap == "policy" else {}
+    if args.mixed_precision:
+        from torch.distributed.fsdp import MixedPrecision
+
+        wrapping["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                                     buffer_dtype=torch.bfloat16)
     strategy = FSDPStrategy(state_dict_type=args.state_dict_type, use_orig_params=bool(args.use_orig_params), **wrapping)
     before = Before()
     callbacks = [ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{epoch}", save_top_k=-1), before]
@@ -147,7 +162,7 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
     if args.async_save is not None:  # training goes on, and the average is updated, while each save writes
         trace_saves(trainer.strategy, args.out / f"saves_rank{rank()}.txt", args.async_save)
-    model = BufferedNet() if args.net == "buffered" else Net()
+    model = BufferedNet() if args.net == "buffered" else MixedNet() if args.mixed_precision else Net()
     if args.validate:
         trainer.validate(model, dataloaders=data(), ckpt_path=str(args.ckpt_dir / args.validate))
     else:
