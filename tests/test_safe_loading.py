@@ -144,6 +144,26 @@ def test_the_trainer_resumes_a_checkpoint_it_is_told_to_trust(reference, tmp_pat
 
 @needs_cpu_fsdp
 @patched_only
+def test_a_loads_check_and_the_load_itself_unpickle_each_pickled_entry_once(reference, monkeypatch):
+    """Rank 0 checks every pickled entry of the shards before anything loads (``checkpoint_kind``); the load then reads
+    the optimizer's param groups, entries of those, through the same location: from what the check unpickled."""
+    from lightning_fsdp_resume import _format, _loading, _preflight, _unpickling
+
+    path = open_path(str(reference("sharded", 0) / "ckpt" / MID), "load", False)
+    unpickled = collections.Counter()
+    real = _unpickling.torch_load
+    monkeypatch.setattr(_unpickling, "torch_load", lambda *a, **k: unpickled.update([k.get("name")]) or real(*a, **k))
+    assert _preflight.checkpoint_kind(path) == "sharded"
+    entries = sum(count for name, count in unpickled.items() if str(name).startswith("an entry of"))
+    shards = checked.index(path)
+    assert entries == sum(_format.is_pickled_entry(stored) for stored in shards.state_dict_metadata.values()) > 0
+    groups = _loading._saved_param_groups(path, "optimizer_0", shards)
+    assert groups and all("lr" in group for group in groups)
+    assert sum(count for name, count in unpickled.items() if str(name).startswith("an entry of")) == entries
+
+
+@needs_cpu_fsdp
+@patched_only
 @pytest.mark.parametrize("site", [*SHARDED_SITES, FULL_SITE])
 def test_load_from_checkpoint_refuses_each_poisoned_site_and_trusts_when_told(reference, tmp_path, site):
     checkpoint = _poisoned(reference, tmp_path, site)

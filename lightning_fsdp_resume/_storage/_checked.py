@@ -4,6 +4,7 @@ unpickled restricted (``_unpickling``) unless the location is trusted, and each 
 """
 import contextlib
 import dataclasses
+import functools
 import io
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -117,9 +118,9 @@ def load_member(location: Location, relative: str) -> Any:
 
 def load_items(location: Location, infos: List[Any]) -> List[Any]:
     """Pickled (non-tensor) entries of the sharded checkpoint at ``location``, ``infos`` their ``storage_data``
-    records, unpickled as ``load_member`` unpickles. DCP writes a file's pickled entries before its tensors, so each
-    file's are read in one request (at a URL) where they lie within ``_ENTRIES_SPAN`` bytes of each other, else one
-    by one."""
+    records, unpickled as ``load_member`` unpickles, each once per location: a load's check (rank 0's) and the load
+    itself take the same objects. DCP writes a file's pickled entries before its tensors, so each file's are read in
+    one request (at a URL) where they lie within ``_ENTRIES_SPAN`` bytes of each other, else one by one."""
     by_file: Dict[str, List[int]] = {}
     for number, info in enumerate(infos):
         by_file.setdefault(info.relative_path, []).append(number)
@@ -127,11 +128,19 @@ def load_items(location: Location, infos: List[Any]) -> List[Any]:
     for relative, numbers in by_file.items():
         shard = location / relative
         start, end = min(infos[n].offset for n in numbers), max(infos[n].offset + infos[n].length for n in numbers)
-        whole = read(location, relative, start, end) if end - start <= _ENTRIES_SPAN else None
+        span: List[bytes] = []  # the entries' bytes, read when the first one not yet unpickled asks
+
+        def entry(offset: int, length: int) -> Any:
+            if end - start > _ENTRIES_SPAN:
+                data = read(location, relative, offset, offset + length)
+            else:
+                span[:] = span or [read(location, relative, start, end)]
+                data = span[0][offset - start : offset - start + length]
+            return _unpickling.torch_load(io.BytesIO(data), trusted=location.trusted, name=f"an entry of {str(shard)!r}")
+
         for n in numbers:
             offset, length = infos[n].offset, infos[n].length
-            data = read(location, relative, offset, offset + length) if whole is None else whole[offset - start:offset - start + length]
-            loaded[n] = _unpickling.torch_load(io.BytesIO(data), trusted=location.trusted, name=f"an entry of {str(shard)!r}")
+            loaded[n] = location.once(("entry", relative, offset), functools.partial(entry, offset, length))
     return [loaded[n] for n in range(len(infos))]
 
 
