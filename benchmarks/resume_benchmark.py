@@ -16,6 +16,9 @@ checkpoint the shim saves; ``--consolidate-from DIR`` measures only that, on the
 ``consolidate`` at each of those ``--layers`` counts (0.4, 1.6 and 4.0 GB of state at the default width), with
 native's and the disk's raw I/O, the targets at each size, a fitted line and what it predicts for a 7B model;
 ``--plot PNG`` draws it (matplotlib: the ``[plot]`` extra).
+``--ranks 2,4,8,16`` instead saves and resumes the same state sharded on each of those numbers of ranks
+(``--repeats`` each): the slowest rank's time, the part of it beyond the disk's raw write or read of the same bytes
+(planning, agreement, the index; on a small machine also the processes sharing its cores), and the index's size.
 ``--remote`` also saves and resumes each kind to an S3-compatible server it starts on 127.0.0.1 (moto's, as
 the tests do; needs the [s3] extra and moto), against the same on the local disk and against copying the
 same bytes to and from the server with s3fs.
@@ -115,7 +118,7 @@ def launch(python: str, phase: str, kind: str, checkpoint: Any, out: Path, args:
            env: Optional[Dict[str, str]] = None, extra: Sequence[str] = ()) -> List[Dict]:
     """One torchrun job of the rank program; every rank's record, by rank. ``checkpoint``: a path or a URL."""
     command = [
-        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", str(RANK_PROGRAM),
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", str(RANK_PROGRAM),
         "--phase", phase, "--state-dict-type", kind, "--checkpoint", str(checkpoint), "--out", str(out),
         "--width", str(args.width), "--layers", str(args.layers), "--outputs", str(args.outputs), "--use-orig-params", str(args.use_orig_params),
         *extra,
@@ -125,7 +128,7 @@ def launch(python: str, phase: str, kind: str, checkpoint: Any, out: Path, args:
         raise RuntimeError(
             f"{phase} ({kind}) with {python} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
         )
-    return [json.loads((out / f"{phase}_rank{rank}.json").read_text()) for rank in range(RANKS)]
+    return [json.loads((out / f"{phase}_rank{rank}.json").read_text()) for rank in range(args.nproc)]
 
 
 def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path, raw: Dict[str, List[Dict]],
@@ -467,6 +470,65 @@ def _size_targets(row: Dict[str, Any]) -> List[Tuple]:
     return targets
 
 
+# --- rank scaling: the same state on more ranks --------------------------------------------------------------------
+
+
+def measure_ranks(args: argparse.Namespace, workdir: Path) -> List[Dict[str, Any]]:
+    """One row per ``--ranks`` count: the shim's sharded save and resume of the same state, ``--repeats`` times each
+    (the slowest rank's time), each less the disk's raw write or cold read of the checkpoint's bytes in that repeat,
+    and the checkpoint's DCP items, ``.metadata`` bytes and files."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    rows = []
+    for ranks in args.ranks:
+        ranked = argparse.Namespace(**{**vars(args), "nproc": ranks})
+        times: Dict[str, List[float]] = {}
+        for repeat in range(args.repeats):
+            run_dir = workdir / f"ranks-{ranks}-{repeat}"
+            checkpoint = run_dir / "checkpoint"
+            took = {}
+            for phase in PHASES:
+                print(f"{ranks} ranks, repeat {repeat + 1}/{args.repeats}: {phase}", file=sys.stderr, flush=True)
+                records = launch(sys.executable, phase, "sharded", checkpoint, run_dir, ranked)
+                took[phase], state = max(record["seconds"] for record in records), records[0]["full_state_bytes"]
+            raw = raw_io(run_dir, _bytes_of(checkpoint))
+            for phase, medium in (("save", "write"), ("resume", "read")):
+                times.setdefault(phase, []).append(took[phase])
+                times.setdefault(f"{phase} beyond raw", []).append(took[phase] - raw[medium])
+            index = {"items": len(FileSystemReader(str(checkpoint)).read_metadata().storage_data),
+                     "metadata": (checkpoint / ".metadata").stat().st_size,
+                     "files": sum(1 for path in checkpoint.rglob("*") if path.is_file())}
+            shutil.rmtree(run_dir)
+        rows.append({"ranks": ranks, "state": state, **index, **times})
+    return rows
+
+
+def _median_and_spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def ranks_report(rows: List[Dict[str, Any]], repeats: int) -> str:
+    """The rank-scaling table, and how much each cost grew from the fewest ranks to the most against the rank count."""
+    columns = ("save", "save beyond raw", "resume", "resume beyond raw")
+    lines = [f"Rank scaling: the same {_mb(rows[0]['state'])} MB of state saved and resumed sharded by the shim, "
+             f"medians of {repeats} repeats (min–max), the slowest rank's seconds", ""]
+    header = ["ranks", *(f"{column} s" for column in columns), "DCP items", "`.metadata` bytes", "files"]
+    body = [[str(row["ranks"]), *(_median_and_spread(row[column]) for column in columns), str(row["items"]),
+             f"{row['metadata']:,}", str(row["files"])] for row in rows]
+    lines.append(table(header, body))
+    first, last = rows[0], rows[-1]
+    grew = last["ranks"] / first["ranks"]
+    checks = []
+    for column in ("save beyond raw", "resume beyond raw", "items", "metadata"):
+        before = statistics.median(first[column]) if isinstance(first[column], list) else first[column]
+        after = statistics.median(last[column]) if isinstance(last[column], list) else last[column]
+        ratio = _ratio(after, before) if before > 0 else None
+        checks.append((f"{column}: {last['ranks']} ranks / {first['ranks']}", _show(ratio), f"≤ {grew:g} (the ranks)",
+                       _verdict(None if ratio is None else ratio <= grew)))
+    lines += ["", table(["grows no faster than the ranks", "ratio", "limit", "met"], checks)]
+    return "\n".join(lines)
+
+
 def consolidate_seconds(args: argparse.Namespace, workdir: Path) -> float:
     """``consolidate``'s time to a torch file of the weights, for a sharded checkpoint the shim saves."""
     run_dir = workdir / "scaling-consolidate"
@@ -742,6 +804,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--scaling", type=lambda text: [int(n) for n in text.split(",")], default=None, metavar="L,L,...",
                         help="instead: the sharded costs at these --layers counts (one run each), a fitted line and a prediction")
     parser.add_argument("--plot", type=Path, default=None, help="with --scaling: write a PNG plot here (the [plot] extra)")
+    parser.add_argument("--ranks", type=lambda text: [int(n) for n in text.split(",")], default=None, metavar="N,N,...",
+                        help="instead: the same state saved and resumed sharded by each of these numbers of ranks")
+    parser.set_defaults(nproc=RANKS)
     args = parser.parse_args(argv)
 
     sides = [("shim", sys.executable)] + ([("native", args.native_python)] if args.native_python else [])
@@ -751,6 +816,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     remote: Dict[Tuple[str, str], Dict[str, List[float]]] = {}
     raw: Dict[str, List[Dict]] = {}
     try:
+        if args.ranks:
+            print(ranks_report(measure_ranks(args, workdir), args.repeats))
+            return 0
         if args.scaling:
             rows = measure_scaling(sides, args, workdir)
             print(scaling_report(rows))

@@ -104,6 +104,23 @@ def test_scaling_reports_each_size_a_fitted_line_and_a_plot(tmp_path):
         assert "No plot: matplotlib is not installed" in output and not plot.exists()
 
 
+@long_runs
+def test_rank_scaling_reports_each_rank_count_and_how_its_costs_grow(tmp_path):
+    output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params",
+                   USE_ORIG_PARAMS, "--ranks", "2,3", "--repeats", "1"], timeout=BENCHMARK_TIMEOUT_S)
+    rows, checks = _tables(output)
+    assert [row["ranks"] for row in rows] == ["2", "3"]
+    for row in rows:
+        assert all(re.fullmatch(r"-?[0-9.]+ \(-?[0-9.]+–-?[0-9.]+\)", row[f"{column} s"])
+                   for column in ("save", "save beyond raw", "resume", "resume beyond raw")), row
+    # each rank writes its own file, beside .metadata and meta.pt; each rank's piece of a tensor is an item
+    assert [int(row["files"]) for row in rows] == [4, 5]
+    assert int(rows[1]["DCP items"]) > int(rows[0]["DCP items"])
+    assert [row["grows no faster than the ranks"] for row in checks] == [
+        f"{column}: 3 ranks / 2" for column in ("save beyond raw", "resume beyond raw", "items", "metadata")]
+    assert all(re.fullmatch(r"yes|\*\*NO\*\*", row["met"]) for row in checks), checks
+
+
 DATA_POSITION = Path(__file__).parent.parent / "benchmarks" / "data_position.py"
 
 
