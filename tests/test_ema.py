@@ -6,6 +6,7 @@ another number of ranks reads the same average.
 Runs (``support/ema_worker.py``): the Trainer worker's ``Net`` on 2 ranks, 3 epochs of 8 steps, a validation and a
 sharded checkpoint after each; decay 0.75, so that every step shows in the average.
 """
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def reference_runs(tmp_path_factory):
         key = (use_orig_params, wrap)
         if key not in runs:
             root = tmp_path_factory.mktemp(f"ema-{use_orig_params}-{wrap}")
-            _run(root / "ema", "--use-orig-params", use_orig_params, "--wrap", wrap)
+            _run(root / "ema", "--use-orig-params", use_orig_params, "--wrap", wrap, "--every-n-steps", 12)
             runs[key] = root
         return runs[key]
 
@@ -84,11 +85,18 @@ def test_a_run_resumed_in_new_processes_ends_with_the_same_average_bit_for_bit(r
     root = reference_runs(use_orig_params, wrap)
     resumed = tmp_path / "resumed"
     (resumed / "ckpt").mkdir(parents=True)
-    import shutil
-
     shutil.copytree(root / "ema" / "ckpt" / "epoch=0.ckpt", resumed / "ckpt" / "epoch=0.ckpt")
     _run(resumed, "--use-orig-params", use_orig_params, "--wrap", wrap, "--resume", "epoch=0.ckpt", "--reference", 0)
     _resumed_as(root, resumed, final=True)
+
+
+def test_a_run_resumed_inside_an_epoch_ends_with_the_same_average_bit_for_bit(reference_runs, tmp_path):
+    """From the checkpoint after step 12, half-way through epoch 1: the update of step 12 is in it (ModelCheckpoint runs
+    after the other callbacks), and the resumed run goes on with step 13's batch."""
+    root = reference_runs(0, "policy")
+    shutil.copytree(root / "ema" / "ckpt" / "step=12.ckpt", tmp_path / "ckpt" / "step=12.ckpt")
+    _run(tmp_path, "--resume", "step=12.ckpt", "--reference", 0)
+    _resumed_as(root, tmp_path, final=True)
 
 
 # torch 2.2 gathers the full optimizer state of use_orig_params=True through torch.cuda calls

@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--ema", type=int, default=1, help="0: no ShardedEMA (a run to compare with)")
     parser.add_argument("--net", choices=["plain", "buffered"], default="plain", help="buffered: BatchNorm in the body")
     parser.add_argument("--use-buffers", type=int, default=1)
+    parser.add_argument("--every-n-steps", type=int, default=None,
+                        help="also a sharded checkpoint every this many steps, inside epochs (step={step}.ckpt)")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="FSDP computes and reduces in bfloat16 (MixedPrecision), from float32 shards")
     parser.add_argument("--reference", type=int, default=1)
@@ -150,6 +152,9 @@ def main() -> None:
     strategy = FSDPStrategy(state_dict_type=args.state_dict_type, use_orig_params=bool(args.use_orig_params), **wrapping)
     before = Before()
     callbacks = [ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{epoch}", save_top_k=-1), before]
+    if args.every_n_steps:
+        callbacks.append(ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=args.every_n_steps))
     if args.ema:
         callbacks.append(lightning_fsdp_resume.ShardedEMA(decay=args.decay, use_buffers=bool(args.use_buffers)))
     reference = Reference(args.out, args.decay, bool(args.use_buffers)) if args.reference else None
