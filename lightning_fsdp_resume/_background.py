@@ -33,12 +33,16 @@ class _Pending:
 
 def start(strategy: Any, path: Any, write: Callable[[], Any], publish: Callable[[], None]) -> None:
     """``write`` this rank's part in a thread; once every rank's succeeded, rank 0 ``publish``es it. The thread is
-    not a daemon: a process that ends while it writes waits for it."""
+    not a daemon: a process that ends while it writes waits for it. It starts writing once this call returns: a thread
+    running Python holds the interpreter's lock for up to its switch interval (5 ms) at a time, which the training
+    thread would otherwise wait for inside the save."""
     group = process_group(strategy)
     rank = strategy.global_rank
     pending = _Pending(path)
+    begun = threading.Event()
 
     def run() -> None:
+        begun.wait()
         error = _attempt(write)
         try:
             failure = _first(failures(error, group))
@@ -57,6 +61,7 @@ def start(strategy: Any, path: Any, write: Callable[[], Any], publish: Callable[
     vars(strategy)[_PENDING] = pending
     pending.thread = threading.Thread(target=run, name=f"lightning_fsdp_resume: saving {path}")
     pending.thread.start()
+    begun.set()
 
 
 def wait(strategy: Any) -> None:

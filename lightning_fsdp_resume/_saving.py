@@ -4,7 +4,6 @@ store's publishing is the location's, ``_storage``). Nothing here knows about pa
 """
 import functools
 import secrets
-from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from . import _background, _ema, _format, _shard_layout, _shard_views, _storage
@@ -39,7 +38,7 @@ def refuse_storage_options(storage_options: Optional[Any]) -> None:
 
 
 def in_background(strategy: Any, asked: bool) -> bool:
-    """Whether a save that ``asked`` to be written in the background can be: a torch with ``dcp.async_save`` and a
+    """Whether a save that ``asked`` to be written in the background can be: torch >= 2.3 (``ASYNC_SAVE``) and a
     process group (the threads agree over one). Else it is written in the foreground, and rank 0 says why once."""
     if not asked:
         return False
@@ -48,7 +47,7 @@ def in_background(strategy: Any, asked: bool) -> bool:
     warn_rank_zero(
         strategy,
         f"lightning_fsdp_resume: FSDP checkpoints are saved in the foreground: saving them in the background needs"
-        f" torch >= 2.3 (torch.distributed.checkpoint.async_save) and a process group; this is torch {compat.release_text()}"
+        f" torch >= 2.3 and a process group; this is torch {compat.release_text()}"
         f"{'' if compat.distributed() else ', without a process group'}.",
     )
     return False
@@ -152,14 +151,15 @@ def write_sharded_in_background(strategy: Any, filepath: Any, stored: Dict[str, 
                                 module: Any, optimizers: Iterable[Any], model_key: str = _format.MODEL_KEY) -> None:
     """``write_sharded``, returning once the state is in host memory, where training cannot change it: the entries of
     ``stored`` that share the storage of a tensor training changes (``module``'s and ``optimizers``',
-    ``training_tensors``) are copied, ``metadata`` all; torch's ``async_save`` writes the shards, and rank 0
-    publishes once every rank's are written (``_background``)."""
+    ``training_tensors``) are copied, ``metadata`` all; a thread writes the shards, and rank 0 publishes once every
+    rank's are written (``_background``)."""
     path, partial = _sharded_destination(strategy, filepath, stored, model_key)
     staged = _background.staging(strategy)
     live = _background.Live(training_tensors(module, optimizers))
     stored, metadata = _background.host_copy(stored, live, staged), _background.host_copy(metadata)
-    written = _started(lambda: _start_shards(partial, stored, _background.process_group(strategy)))
-    _background.start(strategy, path, written.result, functools.partial(_publish_sharded, partial, path, metadata))
+    group = _background.process_group(strategy)
+    _background.start(strategy, path, functools.partial(_write_shards, partial, stored, group),
+                      functools.partial(_publish_sharded, partial, path, metadata))
 
 
 def _sharded_destination(strategy: Any, filepath: Any, stored: Dict[str, Any], model_key: str) -> Tuple[Location, Location]:
@@ -172,19 +172,9 @@ def _sharded_destination(strategy: Any, filepath: Any, stored: Dict[str, Any], m
     return _destination(strategy, filepath, _format.SHARDED)
 
 
-def _start_shards(partial: Location, stored: Dict[str, Any], group: Any) -> Future:
+def _write_shards(partial: Location, stored: Dict[str, Any], group: Any) -> None:
     partial.mkdir()
-    return compat.save_distributed_in_background(stored, checked.writer(partial), group)
-
-
-def _started(start: Callable[[], Future]) -> Future:
-    """``start()``'s future, or one holding its error: a rank whose start failed still joins the others' verdict."""
-    try:
-        return start()
-    except Exception as error:
-        failed: Future = Future()
-        failed.set_exception(error)
-        return failed
+    compat.save_distributed(stored, checked.writer(partial), group)
 
 
 def _publish_sharded(partial: Location, path: Location, metadata: Dict[str, Any]) -> None:

@@ -29,7 +29,8 @@ CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE = (2, 2)
 # Saves built from FSDP's flat shards as views (``_shard_views``), loads read straight into them (``_shard_layout``):
 # from the oldest release their multi-rank tests run on. Before, FSDP's own state dicts, which gather.
 _FLAT_SHARD_IO = CPU_FSDP_MIN
-# torch 2.3 adds dcp.async_save: a sharded save written in a background thread.
+# torch 2.3 adds dcp.async_save, from which release saves are offered in the background (written by a thread of the
+# package's own through dcp.save); torch 2.2's DCP opens its files itself, where checksums read each item back.
 ASYNC_SAVE = (2, 3)
 # torch 2.4 adds torch.serialization.add_safe_globals / get_safe_globals: its own allowlist of pickled names.
 _SAFE_GLOBALS = (2, 4)
@@ -215,9 +216,10 @@ def _fsspec_storage(name: str, url: str) -> Any:
     return getattr(_fsspec_filesystem, name)
 
 
-def save_distributed(state: Dict[str, Any], writer: Any) -> None:
-    """Every rank writes its part of ``state`` through torch DCP's storage ``writer``."""
-    _run_dcp("save", state, storage_writer=writer, planner=_save_planner())
+def save_distributed(state: Dict[str, Any], writer: Any, group: Any = None) -> None:
+    """Every rank writes its part of ``state`` through torch DCP's storage ``writer``, its collectives on ``group``
+    (the default group if None)."""
+    _run_dcp("save", state, storage_writer=writer, planner=_save_planner(), **({} if group is None else {"process_group": group}))
 
 
 def _save_planner() -> Any:
@@ -284,38 +286,10 @@ def cpu_orig_params_optimizer_state_supported() -> bool:
     return torch_release()[:2] != CUDA_ONLY_ORIG_PARAMS_OPTIMIZER_STATE
 
 
-def save_distributed_in_background(state: Dict[str, Any], writer: Any, group: Any) -> Any:
-    """Start ``dcp.async_save`` of ``state`` (already a copy in host memory, which it writes as it is) through
-    ``writer``, its collectives on ``group``; returns its future."""
-    import torch.distributed.checkpoint as dcp
-
-    if takes(dcp.async_save, "async_stager"):
-        # torch 2.13's async_save takes a stager; its default one copies the state again, doubling a save's memory
-        return dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=_AlreadyStaged(),
-                              planner=_save_planner())
-    # torch 2.4's stages through the writer, which moves the state to the CPU, where it already is: no copy
-    return dcp.async_save(state, storage_writer=writer, process_group=group, planner=_save_planner())
-
-
 def import_background_saving() -> None:
-    """Import what ``save_distributed_in_background`` uses, ahead of its first call (about 0.1 to 0.2 s of imports,
+    """Import what a save in the background writes with, ahead of its first call (about 0.1 to 0.2 s of imports,
     which a first save in the background would otherwise stall training for)."""
     import torch.distributed.checkpoint  # noqa: F401
-
-
-class _AlreadyStaged:
-    """torch's ``AsyncStager`` protocol for a state that is already a copy in host memory."""
-
-    should_synchronize_after_execute = False
-
-    def stage(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        return state
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def load_distributed(state: Dict[str, Any], reader: Any, planner: Any = None) -> None:
