@@ -128,7 +128,7 @@ class Average:
         """The average as a sharded state dict under the model's own parameter names (without ``prefix``, the
         wrapper's), in the weights' layout: each parameter a ``ShardedTensor`` of views of the average's shards; each
         buffer this rank's (a save keeps rank 0's, as it does the model's)."""
-        state = _shard_views.parameter_state(flats_of(model), self._shard)
+        state = _shard_views.average_state(model, flats_of(model), self._shard)
         state.update((name, buffer.detach()) for name, buffer in self.buffers.items())
         return _format.strip_prefix(state, prefix)
 

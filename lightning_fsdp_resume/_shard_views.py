@@ -3,15 +3,49 @@ gathering and no copy: each rank's rectangles of a parameter are views of its fl
 ``UnknownLayout``: FSDP's builder instead, on every rank (``agreed``). torch is imported inside the functions.
 """
 import copy
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
 
 from . import _shard_layout
 from ._ranks import everyone
 from ._shard_layout import FlatShard, Piece
 
+_BUILT = "_lightning_fsdp_resume_built"  # on the root module: what its last sharded state dicts were built of
+
 
 class UnknownLayout(Exception):
     """This state is not one built here; the message says why (FSDP's own builder is used instead)."""
+
+
+class _Reuse:
+    """The ``ShardedTensor``s one kind of build made at the last save, for the next: the flat shards, the optimizer's
+    states and an average change in place between saves, so the same views of them serve again, and a save builds
+    only what is new (about 50 us a tensor, most of a later save in the background's time outside its copy). An
+    entry holds views of its storage, which no other storage can share the address of while it lives; each build
+    keeps only the entries it used."""
+
+    def __init__(self, last: Dict[Hashable, Any]) -> None:
+        self.last = last
+        self.now: Dict[Hashable, Any] = {}
+
+    def sharded(self, tensor: Any, shape: Tuple[int, ...], own: Sequence[Piece], rank: int, world: int) -> Any:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr(), storage.nbytes(), tensor.dtype, tensor.storage_offset(),
+               tuple(tensor.size()), tensor.stride(), tuple(shape), tuple(own), rank, world)
+        found = self.last.get(key)
+        self.now[key] = found = _sharded(tensor, shape, own, rank, world) if found is None else found
+        return found
+
+
+def _reusing(model: Any, kind: Any, build: Callable[["_Reuse"], Dict[str, Any]]) -> Dict[str, Any]:
+    """``build(reuse)``, with the ``ShardedTensor``s ``model``'s last build of ``kind`` made (a name, or an optimizer:
+    kept while it lives)."""
+    built = vars(model).setdefault(_BUILT, {"optimizers": weakref.WeakKeyDictionary()})
+    kept = built["optimizers"] if not isinstance(kind, str) else built
+    reuse = _Reuse(kept.get(kind, {}))
+    state = build(reuse)
+    kept[kind] = reuse.now
+    return state
 
 
 def agreed(build: Any, *args: Any) -> Dict[str, Any]:
@@ -39,7 +73,8 @@ def model_state(model: Any) -> Dict[str, Any]:
     if reason is not None:
         raise UnknownLayout(reason)
     params: Dict[str, Dict[str, Any]] = {}  # by the module that owns them, in registration order within it
-    for name, value in parameter_state(flats, _shard_layout.local_shard).items():
+    views = _reusing(model, "model", lambda reuse: parameter_state(flats, _shard_layout.local_shard, reuse))
+    for name, value in views.items():
         params.setdefault(name.rpartition(".")[0], {})[name] = value
     # Module.state_dict()'s order, which readers take the modules' order from: a module's parameters, then its
     # buffers, then its children's
@@ -58,17 +93,22 @@ def model_state(model: Any) -> Dict[str, Any]:
     return state
 
 
-def parameter_state(flats: Sequence[FlatShard], shard_of: Callable[[FlatShard], Any]) -> Dict[str, Any]:
+def parameter_state(flats: Sequence[FlatShard], shard_of: Callable[[FlatShard], Any], reuse: _Reuse) -> Dict[str, Any]:
     """Each original parameter of ``flats`` (``_known``'s) as a ``ShardedTensor`` of views of ``shard_of(flat)``, a 1-D
     tensor laid out as that flat parameter's local shard: the weights (the shard itself, even where the unit holds a
-    gathered copy), or a state kept beside them in their layout (``_ema``'s average)."""
+    gathered copy), or a state kept beside them in their layout (``_ema``'s average, ``average_state``)."""
     state: Dict[str, Any] = {}
     for flat in flats:
         shard = shard_of(flat).detach()
         for name, shape in zip(flat.names, flat.shapes):
             own = [piece for piece in flat.pieces if piece.name == name]
-            state[name] = _sharded(shard, shape, own, flat.rank, flat.world)
+            state[name] = reuse.sharded(shard, shape, own, flat.rank, flat.world)
     return state
+
+
+def average_state(model: Any, flats: Sequence[FlatShard], shard_of: Callable[[FlatShard], Any]) -> Dict[str, Any]:
+    """``parameter_state`` of an average kept in the weights' layout beside ``model``'s flat shards."""
+    return _reusing(model, "average", lambda reuse: parameter_state(flats, shard_of, reuse))
 
 
 def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:
@@ -80,16 +120,21 @@ def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:
     if found is None:
         raise UnknownLayout("the optimizer holds a parameter outside FSDP's flat parameters")
     rank, world = flats[0].rank, flats[0].world
-    state: Dict[str, Dict[str, Any]] = {}
-    for param in (param for group in found.params for param in group):
-        values = optimizer.state.get(param)
-        if not values:
-            continue  # not stepped yet, or no element of this parameter here (use_orig_params=True)
-        layout = found.shards[id(param)]
-        for name in layout.names:
-            own = [piece for piece in layout.pieces if piece.name == name]
-            state[name] = {key: _optimizer_value(key, value, layout.numel, found.shapes[name], own, rank, world)
-                           for key, value in values.items()}
+
+    def states(reuse: _Reuse) -> Dict[str, Any]:
+        state: Dict[str, Dict[str, Any]] = {}
+        for param in (param for group in found.params for param in group):
+            values = optimizer.state.get(param)
+            if not values:
+                continue  # not stepped yet, or no element of this parameter here (use_orig_params=True)
+            layout = found.shards[id(param)]
+            for name in layout.names:
+                own = [piece for piece in layout.pieces if piece.name == name]
+                state[name] = {key: _optimizer_value(key, value, layout.numel, found.shapes[name], own, rank, world, reuse)
+                               for key, value in values.items()}
+        return state
+
+    state = _reusing(model, optimizer, states)
     groups = []
     for group, names in zip(optimizer.param_groups, _shard_layout.names_by_group(found)):
         groups.append({**copy.deepcopy({key: value for key, value in group.items() if key != "params"}), "params": names})
@@ -97,7 +142,7 @@ def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:
 
 
 def _optimizer_value(key: str, value: Any, numel: int, shape: Tuple[int, ...], own: Sequence[Piece], rank: int,
-                     world: int) -> Any:
+                     world: int, reuse: _Reuse) -> Any:
     import torch
 
     if not isinstance(value, torch.Tensor):
@@ -106,7 +151,7 @@ def _optimizer_value(key: str, value: Any, numel: int, shape: Tuple[int, ...], o
         return value  # the same on every rank holding the parameter, as FSDP's builder leaves it
     if value.dim() != 1 or value.numel() != numel:
         raise UnknownLayout(f"the optimizer state {key!r} is neither a scalar nor shaped as its parameter's shard")
-    return _sharded(value.detach(), shape, own, rank, world)
+    return reuse.sharded(value.detach(), shape, own, rank, world)
 
 
 def known(model: Any) -> List[FlatShard]:

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from lightning_fsdp_resume import _saving, _whole_read
+from lightning_fsdp_resume import _saving, _shard_views, _whole_read
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._storage import checked, open_path
 from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
@@ -121,3 +121,42 @@ def test_one_ranks_flat_parameters_are_saved_from_the_shards(process_group, capl
 
 def _whole(value):
     return value.local_shards()[0].tensor if hasattr(value, "local_shards") else getattr(value, "_local_tensor", value)
+
+
+def test_a_later_save_builds_no_view_again_of_what_training_changes_in_place(process_group):
+    """Building the views is most of what a later save in the background costs beside its copy: the same views of
+    the same flat shards and optimizer states serve the next save, and show the values of that save; a state that
+    training replaced (not changed in place) gets views of the new one, and the old ones are let go."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"))
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def step_and_build():
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        return (_saving.model_state(model, "sharded", offload=False),
+                _saving.optimizer_state(model, optimizer, "sharded", offload=False)["state"])
+
+    weights, states = step_and_build()
+    later_weights, later_states = step_and_build()
+    assert all(later_weights[name] is weights[name] for name in weights), "the weights' views were built again"
+    assert all(later_states[name]["exp_avg"] is states[name]["exp_avg"] for name in states), "the states' were"
+    expected = compat.model_state_dict(model, full=False, offload=False)  # FSDP's builder, after the second step
+    assert_identical({k: _whole(v) for k, v in expected.items()}, {k: _whole(v) for k, v in later_weights.items()}, "the state")
+    expected = compat.optimizer_state_dict(model, optimizer, full=False, offload=False)["state"]
+    assert_identical({name: _whole(values["exp_avg"]) for name, values in expected.items()},
+                     {name: _whole(values["exp_avg"]) for name, values in later_states.items()}, "the optimizer state")
+    for values in optimizer.state.values():
+        values["exp_avg"] = values["exp_avg"] + 1  # replaced: a new tensor, in new memory
+    replaced = _saving.optimizer_state(model, optimizer, "sharded", offload=False)["state"]
+    for name, values in replaced.items():
+        assert values["exp_avg"] is not later_states[name]["exp_avg"], f"{name}: the replaced state's old views"
+        assert values["exp_avg_sq"] is later_states[name]["exp_avg_sq"], f"{name}: the state changed in place"
+    expected = compat.optimizer_state_dict(model, optimizer, full=False, offload=False)["state"]
+    assert_identical({name: _whole(values["exp_avg"]) for name, values in expected.items()},
+                     {name: _whole(values["exp_avg"]) for name, values in replaced.items()}, "the replaced state")
+    views = [value for values in replaced.values() for value in values.values() if hasattr(value, "local_shards")]
+    kept = vars(model)[_shard_views._BUILT]["optimizers"][optimizer].values()  # what the next save may reuse
+    assert sorted(map(id, kept)) == sorted(map(id, views)), "views of the replaced states are still held"
