@@ -167,6 +167,10 @@ class Staging:
     def __init__(self) -> None:
         self.kept: Dict[Tuple[int, int, str], Any] = {}
         self.this_save: Dict[Tuple[int, int, str], Any] = {}
+        # the host ShardedTensors of the last save and this one, by the ShardedTensor they copy (kept with it): a
+        # save of the same views (``_shard_views`` reuses them) into the same buffers rebuilds none
+        self.kept_sharded: Dict[int, Tuple[Any, Any]] = {}
+        self.this_sharded: Dict[int, Tuple[Any, Any]] = {}
         self.preparing: Optional[threading.Thread] = None
         self.prepared: Set[int] = set()  # the optimizers whose tensors have buffers made (by id)
 
@@ -193,6 +197,7 @@ class Staging:
             self.preparing.join()
             self.preparing = None
         self.kept, self.this_save = self.this_save, {}
+        self.kept_sharded, self.this_sharded = self.this_sharded, {}
 
     def copy(self, tensor: Any, base: Any) -> Any:
         """``tensor``, whose data lies in the live storage ``base``, as it is now, in host memory."""
@@ -210,6 +215,18 @@ class Staging:
         at = storage.data_ptr() - base.data_ptr()
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(buffer.untyped_storage()[at : at + storage.nbytes()], tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def sharded(self, tensor: Any, copies: List[Any], build: Callable[[], Any]) -> Any:
+        """The host ``ShardedTensor`` of ``tensor`` whose local shards are ``copies``: the last save's where its shards
+        lie where ``copies`` do, else ``build()``."""
+        last = self.kept_sharded.get(id(tensor))
+        if last is not None and last[0] is tensor and [shard.tensor.data_ptr() for shard in last[1].local_shards()] == [
+                copied.data_ptr() for copied in copies]:
+            host = last[1]
+        else:
+            host = build()
+        self.this_sharded[id(tensor)] = (tensor, host)
+        return host
 
 
 def _host_buffer(nbytes: int, device: str, touched: bool) -> Any:
@@ -280,15 +297,21 @@ def _host_tensor(tensor: Any, live: Optional[Live], staged: Optional[Staging]) -
 
 
 def _sharded_host_copy(tensor: Any, live: Optional[Live], staged: Optional[Staging]) -> Any:
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
     shards = tensor.local_shards()
     if staged is None and any(shard.tensor.device.type != "cpu" for shard in shards):
         return tensor.cpu()  # a copy, its shards' placements moved to the CPU with them
     copies = [_host_tensor(shard.tensor, live, staged) for shard in shards]
     if all(copied is shard.tensor for copied, shard in zip(copies, shards)):
         return tensor
+    if staged is not None:
+        return staged.sharded(tensor, copies, lambda: _host_sharded(tensor, shards, copies))
+    return _host_sharded(tensor, shards, copies)
+
+
+def _host_sharded(tensor: Any, shards: List[Any], copies: List[Any]) -> Any:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
     metadata = tensor.metadata()
     if any(shard.tensor.device.type != "cpu" for shard in shards):  # their placements move to the host with them
         metadata = copy.copy(metadata)

@@ -15,7 +15,7 @@ from support.crash_chain import run_chain
 from support.flavours import NATIVE, VERSION
 from support.marks import TORCH, needs_async_save, needs_cpu_fsdp, needs_patched_fabric
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, config, fabric_config, fabric_worker, worker
-from support.states import assert_ranks_identical
+from support.states import assert_identical, assert_ranks_identical
 from support.stores import LocalStore
 
 pytestmark = [
@@ -140,3 +140,41 @@ def test_fabric_saves_in_the_background_with_async_save_and_resumes_exactly(tmp_
                   "--resume", run / "ckpt" / "epoch=1.ckpt")
     assert_ranks_identical(run / "out", "epoch1", resumed / "out", "start")
     assert_ranks_identical(run / "out", "final", resumed / "out", "final")
+
+
+def test_a_later_save_in_the_background_copies_into_the_host_tensors_of_the_last_one(process_group):
+    """A later save's stall is its copy: the same views of the shards (``_shard_views``) are copied into the same kept
+    host buffers, whose host ``ShardedTensor``s serve again; what they hold is the state at that save, a copy that
+    later steps leave as it is."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from lightning_fsdp_resume import _background, _saving
+
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"))
+    optimizer = torch.optim.Adam(model.parameters())
+    staging = _background.Staging()
+
+    def step() -> None:
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+
+    def copied():
+        staging.begin()
+        live = _background.Live(_saving.training_tensors(model, [optimizer]))
+        return _background.host_copy(_saving.model_state(model, "sharded", offload=False), live, staging)
+
+    def values(state):
+        return {name: value.local_shards()[0].tensor.clone() for name, value in state.items()}
+
+    step()
+    first = copied()
+    step()
+    expected = values(_saving.model_state(model, "sharded", offload=False))
+    later = copied()
+    assert all(later[name] is first[name] for name in first), "the host ShardedTensors were built again"
+    assert_identical(expected, values(later), "the later save's copy")
+    step()
+    assert_identical(expected, values(later), "the copy after another step")
+    assert any(not torch.equal(expected[name], now) for name, now in values(_saving.model_state(model, "sharded", offload=False)).items())
