@@ -177,12 +177,14 @@ class Staging:
     def prepare(self, live: Live) -> None:
         """Before the first save: a buffer for each of ``live``'s storages that has none, made and every page faulted
         in by a thread while training goes on (torch's checkpoint modules imported too), so that the first save, like
-        every later one, copies into resident memory."""
-        if self.preparing is not None:
-            self.preparing.join()
+        every later one, copies into resident memory. A thread still making the last ones is waited for by the new
+        one, not here."""
         wanted = [(ptr, storage.nbytes(), device) for (device, ptr), storage in live.storages.items()]
+        before = self.preparing
 
         def make() -> None:
+            if before is not None:
+                before.join()
             compat.import_background_saving()
             for key in wanted:
                 if key not in self.this_save:
@@ -259,6 +261,14 @@ def prepare(strategy: Any, optimizer: Any, tensors: Callable[[], Iterable[Any]])
     kept = _staging(strategy)
     if id(optimizer) not in kept.prepared:
         kept.prepared.add(id(optimizer))
+        kept.prepare(Live(tensors()))
+
+
+def prepare_also(strategy: Any, tensors: Callable[[], Iterable[Any]]) -> None:
+    """Where saves in the background have host buffers made (``prepare``), buffers for ``tensors()`` too: state that
+    comes into being after the optimizers' first steps (``ShardedEMA``'s average, at its first update)."""
+    kept = vars(strategy).get(_STAGING)
+    if kept is not None:
         kept.prepare(Live(tensors()))
 
 

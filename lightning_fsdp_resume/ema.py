@@ -6,7 +6,7 @@ import importlib
 import logging
 from typing import Any, Optional, Tuple
 
-from . import _ema, _strategy
+from . import _background, _ema, _strategy
 from ._versions import FLAVOURS, TRAINER, installed_version
 
 
@@ -92,12 +92,18 @@ class ShardedEMA(*_callback_bases()):  # type: ignore[misc]
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # global_step counts the optimizer steps taken: it moves once per accumulated batch
         if trainer.global_step > self._latest_update_step and self.should_update(step_idx=trainer.global_step - 1):
-            self._average.update(trainer.model)
+            self._update(trainer)
             self._latest_update_step = trainer.global_step
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self.should_update(epoch_idx=trainer.current_epoch):
-            self._average.update(trainer.model)
+            self._update(trainer)
+
+    def _update(self, trainer: Any) -> None:
+        started = not self._average.ready
+        self._average.update(trainer.model)
+        if started:  # a new average: host buffers for saves in the background, made before the first save needs them
+            _background.prepare_also(trainer.strategy, lambda: _ema.tensors_in(trainer.model))
 
     def _evaluation_starts(self, trainer: Any, pl_module: Any) -> None:
         if self.evaluate and self._average.ready and not self._average.swapped:

@@ -121,9 +121,14 @@ def test_a_full_checkpoint_carries_the_average_and_a_resume_from_it_ends_with_it
 @needs_async_save
 def test_a_checkpoint_saved_in_the_background_holds_the_average_of_its_step(reference_runs, tmp_path):
     """Saves in the background (AsyncCheckpointIO) copy the average with the weights: the updates after the save
-    do not reach the checkpoint, and a resume from it ends as the run saved in the foreground."""
+    do not reach the checkpoint, and a resume from it ends as the run saved in the foreground. The average's host
+    buffers, like the weights', are made ahead of the first save (after its first update), not by it."""
     root = reference_runs(0, "policy")
     _run(tmp_path, "--async-save", 0.5, "--reference", 0, "--epochs", 2)
+    for rank in range(2):
+        saves = (tmp_path / "out" / f"saves_rank{rank}.txt").read_text().splitlines()
+        buffers = [line for line in saves if line.startswith("host-buffer")]
+        assert buffers and set(buffers) == {"host-buffer prepared"}, f"rank {rank}: {buffers}"
     resumed = tmp_path / "resumed"
     _run(resumed, "--ckpt-dir", tmp_path / "ckpt", "--resume", "epoch=0.ckpt", "--reference", 0)
     _resumed_as(root, resumed, final=False)
