@@ -217,5 +217,5 @@ def flats_of(model: Any) -> List[FlatShard]:
     except _shard_views.UnknownLayout as unknown:
         raise ValueError(
             f"ShardedEMA keeps its average on each rank's FSDP shards, which this run's layout does not give: {unknown}."
-            " Use FSDPStrategy's FULL_SHARD or SHARD_GRAD_OP sharding over 2 or more ranks."
+            " Use FSDPStrategy's FULL_SHARD or SHARD_GRAD_OP sharding, or run on one rank."
         ) from None
