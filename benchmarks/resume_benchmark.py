@@ -489,7 +489,8 @@ def _size_targets(row: Dict[str, Any]) -> List[Tuple]:
 def measure_ranks(args: argparse.Namespace, workdir: Path) -> List[Dict[str, Any]]:
     """One row per ``--ranks`` count: the shim's sharded save and resume of the same state, ``--repeats`` times each
     (the slowest rank's time), each less the disk's raw write or cold read of the checkpoint's bytes in that repeat,
-    and the checkpoint's DCP items, ``.metadata`` bytes and files."""
+    a later save in the background's stall and what of it is not the copy (the slowest rank's), and the
+    checkpoint's DCP items, ``.metadata`` bytes and files."""
     from torch.distributed.checkpoint import FileSystemReader
 
     rows = []
@@ -504,6 +505,12 @@ def measure_ranks(args: argparse.Namespace, workdir: Path) -> List[Dict[str, Any
                 print(f"{ranks} ranks, repeat {repeat + 1}/{args.repeats}: {phase}", file=sys.stderr, flush=True)
                 records = launch(sys.executable, phase, "sharded", checkpoint, run_dir, ranked)
                 took[phase], state = max(record["seconds"] for record in records), records[0]["full_state_bytes"]
+            print(f"{ranks} ranks, repeat {repeat + 1}/{args.repeats}: {ASYNC}", file=sys.stderr, flush=True)
+            extra = ["--async-save", "--save-after-steps", str(ASYNC_SAVE_AFTER_STEPS)]
+            records = launch(sys.executable, "save", "sharded", run_dir / "async-checkpoint", run_dir, ranked, extra=extra)
+            times.setdefault("later stall", []).append(max(record["stall_again"] for record in records))
+            times.setdefault("later stall beyond copy", []).append(
+                max(record["stall_again"] - record["copy_alone"] for record in records))
             raw = raw_io(run_dir, _bytes_of(checkpoint))
             for phase, medium in (("save", "write"), ("resume", "read")):
                 times.setdefault(phase, []).append(took[phase])
@@ -516,23 +523,26 @@ def measure_ranks(args: argparse.Namespace, workdir: Path) -> List[Dict[str, Any
     return rows
 
 
-def _median_and_spread(values: Sequence[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+def _median_and_spread(values: Sequence[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
 def ranks_report(rows: List[Dict[str, Any]], repeats: int) -> str:
     """The rank-scaling table, and how much each cost grew from the fewest ranks to the most against the rank count."""
     columns = ("save", "save beyond raw", "resume", "resume beyond raw")
+    stalls = ("later stall", "later stall beyond copy")
     lines = [f"Rank scaling: the same {_mb(rows[0]['state'])} MB of state saved and resumed sharded by the shim, "
              f"medians of {repeats} repeats (min–max), the slowest rank's seconds", ""]
-    header = ["ranks", *(f"{column} s" for column in columns), "DCP items", "`.metadata` bytes", "files"]
-    body = [[str(row["ranks"]), *(_median_and_spread(row[column]) for column in columns), str(row["items"]),
-             f"{row['metadata']:,}", str(row["files"])] for row in rows]
+    header = ["ranks", *(f"{column} s" for column in columns), *(f"{ASYNC}: {column} ms" for column in stalls),
+              "DCP items", "`.metadata` bytes", "files"]
+    body = [[str(row["ranks"]), *(_median_and_spread(row[column]) for column in columns),
+             *(_median_and_spread([value * 1e3 for value in row[column]], digits=0) for column in stalls),
+             str(row["items"]), f"{row['metadata']:,}", str(row["files"])] for row in rows]
     lines.append(table(header, body))
     first, last = rows[0], rows[-1]
     grew = last["ranks"] / first["ranks"]
     checks = []
-    for column in ("save beyond raw", "resume beyond raw", "items", "metadata"):
+    for column in ("save beyond raw", "resume beyond raw", "later stall beyond copy", "items", "metadata"):
         before = statistics.median(first[column]) if isinstance(first[column], list) else first[column]
         after = statistics.median(last[column]) if isinstance(last[column], list) else last[column]
         ratio = _ratio(after, before) if before > 0 else None

@@ -113,11 +113,14 @@ def test_rank_scaling_reports_each_rank_count_and_how_its_costs_grow(tmp_path):
     for row in rows:
         assert all(re.fullmatch(r"-?[0-9.]+ \(-?[0-9.]+–-?[0-9.]+\)", row[f"{column} s"])
                    for column in ("save", "save beyond raw", "resume", "resume beyond raw")), row
+        assert all(re.fullmatch(r"-?[0-9]+ \(-?[0-9]+–-?[0-9]+\)", row[f"async save: {column} ms"])
+                   for column in ("later stall", "later stall beyond copy")), row
     # each rank writes its own file, beside .metadata and meta.pt; each rank's piece of a tensor is an item
     assert [int(row["files"]) for row in rows] == [4, 5]
     assert int(rows[1]["DCP items"]) > int(rows[0]["DCP items"])
     assert [row["grows no faster than the ranks"] for row in checks] == [
-        f"{column}: 3 ranks / 2" for column in ("save beyond raw", "resume beyond raw", "items", "metadata")]
+        f"{column}: 3 ranks / 2" for column in ("save beyond raw", "resume beyond raw", "later stall beyond copy", "items",
+                                                "metadata")]
     assert all(re.fullmatch(r"yes|\*\*NO\*\*", row["met"]) for row in checks), checks
 
 
