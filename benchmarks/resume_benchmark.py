@@ -443,14 +443,15 @@ PREDICTED_RANKS = 8
 
 def measure_scaling(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path) -> List[Dict[str, Any]]:
     """One row per ``--scaling`` size: the sharded save, stall, resume and consolidate times, each rank's worst peak
-    growth, native's save and resume where given, and the disk's raw I/O of the same bytes (one repeat each)."""
+    growth, native's save and resume where given, and the disk's raw I/O of the same bytes: medians of ``--repeats``."""
     rows = []
     for layers in args.scaling:
-        sized = argparse.Namespace(**{**vars(args), "layers": layers, "repeats": 1})
+        sized = argparse.Namespace(**{**vars(args), "layers": layers})
         raw: Dict[str, List[Dict]] = {}
         figures = {key: Figures(value) for key, value in run_all(sides, sized, workdir, raw, kinds=("sharded",), checksums=False).items()}
         row: Dict[str, Any] = {"layers": layers, "state": figures[("save", "sharded", "shim")].full_state,
-                               "raw write": raw["sharded"][0]["write"], "raw read": raw["sharded"][0]["read"]}
+                               "repeats": args.repeats,
+                               **{f"raw {medium}": statistics.median(io[medium] for io in raw["sharded"]) for medium in ("write", "read")}}
         for side in [side for side, _ in sides]:
             for phase in PHASES:
                 f = figures[(phase, "sharded", side)]
@@ -553,14 +554,16 @@ def ranks_report(rows: List[Dict[str, Any]], repeats: int) -> str:
 
 
 def consolidate_seconds(args: argparse.Namespace, workdir: Path) -> float:
-    """``consolidate``'s time to a torch file of the weights, for a sharded checkpoint the shim saves."""
+    """``consolidate``'s time to a torch file of the weights, for a sharded checkpoint the shim saves: the median of
+    ``--repeats`` fresh processes."""
     run_dir = workdir / "scaling-consolidate"
     launch(sys.executable, "save", "sharded", run_dir / "checkpoint", run_dir, args)
     try:
-        records = _consolidate_once(sys.executable, run_dir / "checkpoint", run_dir, {"weights_only": True})
+        seconds = [_consolidate_once(sys.executable, run_dir / "checkpoint", run_dir, {"weights_only": True})["seconds"]
+                   for _ in range(args.repeats)]
     finally:
         shutil.rmtree(run_dir)
-    return records["seconds"]
+    return statistics.median(seconds)
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
@@ -581,7 +584,8 @@ def scaling_report(rows: List[Dict[str, Any]]) -> str:
     body = [[f"{row['state'] / 1e9:.2f}", *(f"{row[name]:.2f}" for name in series), *(_mb(row[name]) for name in memory)]
             for row in rows]
     lines = [
-        f"How the costs grow: sharded checkpoints on {RANKS} ranks, one run per size; times in s, each rank's worst peak"
+        f"How the costs grow: sharded checkpoints on {RANKS} ranks, medians of {rows[0]['repeats']} runs per size; times in s,"
+        " each rank's worst peak"
         " growth in MB; stall: how long a save with AsyncCheckpointIO blocked training (later stall: a second such save"
         " in the same processes); consolidate: to a torch file of"
         " the weights.",

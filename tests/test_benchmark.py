@@ -85,7 +85,7 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
 def test_scaling_reports_each_size_a_fitted_line_and_a_plot(tmp_path):
     plot = tmp_path / "scaling.png"
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS,
-                   "--scaling", "2,4", "--plot", str(plot), "--workdir", str(tmp_path / "work")],
+                   "--scaling", "2,4", "--repeats", "1", "--plot", str(plot), "--workdir", str(tmp_path / "work")],
                   env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""}, timeout=BENCHMARK_TIMEOUT_S)
     sizes, targets, fits = _tables(output)
     assert len(sizes) == 2 and float(sizes[0]["state GB"]) <= float(sizes[1]["state GB"]), sizes
