@@ -72,7 +72,9 @@ def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_pat
     assert verdicts["sharded resume time shim/native"] == "not measured"  # no native side given
     assert verdicts["import lightning_fsdp_resume imports neither torch nor Lightning"] == "yes"
     background = [row for row in targets if row["target"].startswith(("async save", "sharded save: each rank"))]
-    assert len(background) == 4 and all(row["met"] in ("yes", "**NO**") for row in background), background
+    assert len(background) == 5 and all(row["met"] in ("yes", "**NO**") for row in background), background
+    beyond = next(row for row in background if "less the copy alone" in row["target"])
+    assert re.fullmatch(r"-?[0-9.]+ ms \(-?[0-9.]+–-?[0-9.]+\)", beyond["figure"]), beyond
     if REMOTE:
         (rows,) = remote
         assert [(r["phase"], r["kind"]) for r in rows] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
