@@ -113,13 +113,12 @@ class SaveAfterSteps(L.Callback):
 
 def copy_seconds(model: nn.Module, optimizers) -> float:
     """How long copying this rank's state into host memory already touched takes, memory to memory, with nothing
-    else: each storage of its parameters (FSDP's flat shards), buffers and optimizer states once, as a save in the
-    background copies them into its kept buffers. The least of 3 copies."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    tensors += [value for optimizer in optimizers for state in optimizer.state.values() for value in state.values()
-                if isinstance(value, torch.Tensor)]
-    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage() for tensor in tensors}
-    sources = [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages.values() if storage.nbytes()]
+    else: each storage a save in the background copies into its kept buffers (the package's own list of what
+    training changes: flat shards, buffers, optimizer states), once. The least of 3 copies."""
+    from lightning_fsdp_resume import _background, _saving
+
+    storages = _background.Live(_saving.training_tensors(model, optimizers)).storages.values()
+    sources = [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages]
     buffers = [torch.empty_like(source).zero_() for source in sources]
     times = []
     for _ in range(3):

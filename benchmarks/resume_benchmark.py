@@ -135,6 +135,18 @@ def launch(python: str, phase: str, kind: str, checkpoint: Any, out: Path, args:
     return [json.loads((out / f"{phase}_rank{rank}.json").read_text()) for rank in range(args.nproc)]
 
 
+def launch_in_background(python: str, run_dir: Path, args: argparse.Namespace) -> List[Dict]:
+    """The shim's sharded save with AsyncCheckpointIO after a few steps, then once more in the same processes (phase
+    ``ASYNC``): every rank's record, with its stalls."""
+    extra = ["--async-save", "--save-after-steps", str(ASYNC_SAVE_AFTER_STEPS)]
+    return launch(python, "save", "sharded", run_dir / "async-checkpoint", run_dir, args, extra=extra)
+
+
+def beyond_copy(records: List[Dict]) -> float:
+    """Of one run's later stall, what is not the copy of the rank's state: the slowest rank's."""
+    return max(record["stall_again"] - record["copy_alone"] for record in records)
+
+
 def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir: Path, raw: Dict[str, List[Dict]],
             kinds: Sequence[str] = KINDS, checksums: bool = True) -> Dict[Tuple[str, str, str], List]:
     """``{(phase, kind, side): [per-repeat list of rank records]}``, the sides interleaved run by run, and the shim's
@@ -154,9 +166,7 @@ def run_all(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, workdir:
                     results.setdefault((phase, kind, side), []).append(records)
                 if side == "shim" and kind == "sharded":
                     print(f"repeat {repeat + 1}/{args.repeats}: shim   {kind:<7} {ASYNC}", file=sys.stderr, flush=True)
-                    extra = ["--async-save", "--save-after-steps", str(ASYNC_SAVE_AFTER_STEPS)]
-                    records = launch(python, "save", kind, run_dir / "async-checkpoint", run_dir, args, extra=extra)
-                    results.setdefault((ASYNC, kind, side), []).append(records)
+                    results.setdefault((ASYNC, kind, side), []).append(launch_in_background(python, run_dir, args))
                     if checksums:
                         results.setdefault(("verify", kind, side), []).append([verify_cold(python, checkpoint)])
                 if side == "shim" and checksums:
@@ -235,8 +245,7 @@ class Figures:
         again = [max(record["stall_again"] for record in records) for records in repeats
                  if records[0].get("stall_again") is not None]
         self.stall_again = statistics.median(again) if again else None  # a later save's, its buffers kept
-        beyond = [max(record["stall_again"] - record["copy_alone"] for record in records) for records in repeats
-                  if records[0].get("copy_alone") is not None]
+        beyond = [beyond_copy(records) for records in repeats if records[0].get("copy_alone") is not None]
         self.beyond_copy = statistics.median(beyond) if beyond else None  # of the later stall, what is not the copy
         self.beyond_copy_spread = (min(beyond), max(beyond)) if beyond else None
         self.shard = [statistics.median(records[rank].get("shard_bytes", 0) for records in repeats) for rank in range(RANKS)]
@@ -507,11 +516,9 @@ def measure_ranks(args: argparse.Namespace, workdir: Path) -> List[Dict[str, Any
                 records = launch(sys.executable, phase, "sharded", checkpoint, run_dir, ranked)
                 took[phase], state = max(record["seconds"] for record in records), records[0]["full_state_bytes"]
             print(f"{ranks} ranks, repeat {repeat + 1}/{args.repeats}: {ASYNC}", file=sys.stderr, flush=True)
-            extra = ["--async-save", "--save-after-steps", str(ASYNC_SAVE_AFTER_STEPS)]
-            records = launch(sys.executable, "save", "sharded", run_dir / "async-checkpoint", run_dir, ranked, extra=extra)
+            records = launch_in_background(sys.executable, run_dir, ranked)
             times.setdefault("later stall", []).append(max(record["stall_again"] for record in records))
-            times.setdefault("later stall beyond copy", []).append(
-                max(record["stall_again"] - record["copy_alone"] for record in records))
+            times.setdefault("later stall beyond copy", []).append(beyond_copy(records))
             raw = raw_io(run_dir, _bytes_of(checkpoint))
             for phase, medium in (("save", "write"), ("resume", "read")):
                 times.setdefault(phase, []).append(took[phase])
