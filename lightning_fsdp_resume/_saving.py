@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from . import _background, _ema, _format, _shard_layout, _shard_views, _storage
 from . import _torch_compat as compat
-from ._ranks import barrier, broadcast, decided_on_rank_zero, warn_rank_zero
+from ._ranks import barrier, decided_on_rank_zero, warn_rank_zero
 from ._storage import Location, checked
 
 
@@ -221,7 +221,12 @@ def save_torch_file(state: Dict[str, Any], path: Location) -> None:
 def _destination(strategy: Any, filepath: Any, kind: _format.StateDictType) -> Tuple[Location, Location]:
     """The path rank 0 names and the partial sibling every rank writes into. A full save replaces a sharded
     checkpoint but no other directory, not even an empty one (as native 2.1 refuses); at a URL, no directory."""
-    target, token = broadcast(strategy, (str(filepath), secrets.token_hex(8)))
+
+    def checked() -> Tuple[str, str]:
+        target = str(filepath)
+        _storage.open_path(target, "save").check_destination(kind)
+        return target, secrets.token_hex(8)
+
+    target, token = decided_on_rank_zero(strategy, checked)  # one broadcast: rank 0's path, its verdict, a fresh token
     path = _storage.open_path(target, "save")
-    decided_on_rank_zero(strategy, path.check_destination, kind)
     return path, path.partial(token)
