@@ -257,10 +257,12 @@ def staging(strategy: Any) -> Staging:
 def prepare(strategy: Any, optimizer: Any, tensors: Callable[[], Iterable[Any]]) -> None:
     """After ``optimizer``'s first step (its states exist then), once: ``Staging.prepare`` for the storages of
     ``tensors()``, what training changes of it and the module, so that no save, the first included, waits for new
-    memory."""
+    memory; and the threads' process group, so that the first save does not wait for its making either (a
+    collective: every rank's first step comes here; 12 ms to 0.3 s inside a first save on 2 CPU ranks)."""
     kept = _staging(strategy)
     if id(optimizer) not in kept.prepared:
         kept.prepared.add(id(optimizer))
+        process_group(strategy)
         kept.prepare(Live(tensors()))
 
 

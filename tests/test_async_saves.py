@@ -52,8 +52,12 @@ def test_background_saves_hold_the_state_at_the_call_and_resume_exactly(tmp_path
         assert verify(str(run / "ckpt" / f"epoch={epoch}.ckpt"), progress=False).files >= (4 if kind == "sharded" else 1)
     if kind == "sharded":  # every save, the first included, copied into host memory made before it, in a thread
         for rank in (0, 1):
-            buffers = [line for line in _saves(run, rank) if line.startswith("host-buffer")]
+            saves = _saves(run, rank)
+            buffers = [line for line in saves if line.startswith("host-buffer")]
             assert buffers and set(buffers) == {"host-buffer prepared"}, buffers
+            # and the background threads' process group made with them, after the first step, not by the first save
+            assert saves.count("process-group made") == 1, saves
+            assert saves.index("process-group made") < saves.index("save-called epoch=0.ckpt"), saves
 
 
 @needs_async_save

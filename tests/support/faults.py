@@ -116,10 +116,11 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
     ``save-returned NAME`` (the strategy's ``save_checkpoint``), ``write`` (a rank's shards or rank 0's full file),
     ``publish NAME`` (the checkpoint is in place), ``remove NAME`` (one that ModelCheckpoint no longer keeps) and
     ``host-buffer prepared`` / ``host-buffer at-save`` (host memory a save in the background copies into, made ahead
-    of the saves or by one)."""
+    of the saves or by one) and ``process-group made`` (a new one: the background threads')."""
     import time
     from pathlib import Path
 
+    import torch.distributed
     import torch.distributed.checkpoint.filesystem as fs
 
     from lightning_fsdp_resume import _background
@@ -154,5 +155,6 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
     traced(_local, "publish", after=lambda partial, path: f"publish {Path(path).name}")
     # a host buffer a save in the background copies into: made ahead, off the training thread, or by the save itself
     traced(_background, "_host_buffer", before=lambda *_, touched: f"host-buffer {'prepared' if touched else 'at-save'}")
+    traced(torch.distributed, "new_group", before=lambda *_, **__: "process-group made")
     if removals:  # the Trainer's ModelCheckpoint removes through it; Fabric's FSDPStrategy has none (it raises)
         traced(strategy.checkpoint_io, "remove_checkpoint", before=lambda path: f"remove {Path(path).name}")
