@@ -263,7 +263,6 @@ def main(argv=None) -> None:
         "rss_peak": measured.memory.peak,
         # a save in the background: with the host buffers made ahead for it, what it costs beside a synchronous run
         "growth": measured.memory.growth + (callbacks[0].held_ahead if args.phase == "save" else 0),
-        "growth_in_phase": measured.memory.growth,
         "host_buffers_ahead": callbacks[0].held_ahead if args.phase == "save" else 0,
         "waited_for_buffers": callbacks[0].waited_for_buffers if args.phase == "save" else 0.0,
         "full_state_bytes": state_bytes,
