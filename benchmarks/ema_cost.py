@@ -33,7 +33,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from lightning_fsdp_resume import _ema
-    from lightning_fsdp_resume.testing import enable_cpu_fsdp
+    from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
     from peak_rss import rss_bytes
 
     dist.init_process_group("gloo")
@@ -66,12 +66,8 @@ def rank_main(args: argparse.Namespace) -> None:
     record = {"rank": dist.get_rank(), "layers": layers, "shard_bytes": shard_bytes, "grown": grown, "steps": steps,
               "updates": updates}
     (Path(args.out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
-    dist.barrier()
-    import gc
-
     del model, optimizer, average
-    gc.collect()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def measure(size: float, ranks: int, repeats: int, steps: int) -> Dict:
