@@ -98,7 +98,6 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-
 def _default_cpu_device_id(original_init: Callable) -> Callable:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         import torch
