@@ -126,7 +126,7 @@ def wait_for_saves(obj) -> None:
     wait(getattr(obj, "strategy", obj))
 
 
-def set_mid_epoch_resume(mode: str) -> None:
+def set_mid_epoch_resume(mode: str = "skip", *, other_rank_counts: str = "exact") -> None:
     """How a Trainer run resumed inside an epoch finds its place in the data (Lightning 2.0.x; every strategy).
 
     ``"skip"`` (the default): leave out the batches already trained on by their indices, loading none of them, where
@@ -134,10 +134,14 @@ def set_mid_epoch_resume(mode: str) -> None:
     ``load_state_dict`` is restored from its saved state; anything else is ``"replay"``'d, with a log line.
     ``"replay"``: load the trained batches again and drop them (exact where workers draw random numbers too).
     ``"lightning"``: Lightning 2.0.x's own resume (one step more, the epoch's data from its first batch).
+
+    On another number of ranks, one ``DataLoader`` over a map-style dataset drawn by a ``DistributedSampler`` goes on
+    with exactly the samples not yet trained in the epoch; any other train data is refused there, unless
+    ``other_rank_counts="approximate"``: each rank then leaves out as many batches as it would have trained first.
     """
     from ._data_position import set_mode
 
-    set_mode(mode)
+    set_mode(mode, other_rank_counts)
 
 
 def __getattr__(name: str):

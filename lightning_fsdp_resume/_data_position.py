@@ -14,17 +14,26 @@ log = logging.getLogger(__name__)
 SKIP, REPLAY, LIGHTNING = "skip", "replay", "lightning"
 MODES = (SKIP, REPLAY, LIGHTNING)
 _mode = SKIP
+EXACT, APPROXIMATE = "exact", "approximate"  # on another number of ranks, data without a cursor: refused, or not exact
+_other_rank_counts = EXACT
 
 # The attributes of a DataLoader where torch keeps the generators its iterator and its sampler draw from
 _GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.generator", "batch_sampler.sampler.generator")
 
 
-def set_mode(mode: str) -> None:
-    """``skip``, ``replay`` or ``lightning``: see ``lightning_fsdp_resume.set_mid_epoch_resume``."""
-    global _mode
+def set_mode(mode: str, other_rank_counts: str = EXACT) -> None:
+    """``skip``, ``replay`` or ``lightning``, and ``exact`` or ``approximate``: see
+    ``lightning_fsdp_resume.set_mid_epoch_resume``."""
+    global _mode, _other_rank_counts
     if mode not in MODES:
         raise ValueError(f"set_mid_epoch_resume({mode!r}): the mode is one of {', '.join(map(repr, MODES))}.")
-    _mode = mode
+    if other_rank_counts not in (EXACT, APPROXIMATE):
+        raise ValueError(f"set_mid_epoch_resume(other_rank_counts={other_rank_counts!r}): it is 'exact' or 'approximate'.")
+    _mode, _other_rank_counts = mode, other_rank_counts
+
+
+def approximate() -> bool:
+    return _other_rank_counts == APPROXIMATE
 
 
 def mode() -> str:
@@ -51,15 +60,15 @@ def epoch_start(loaders: Sequence[Any]) -> Dict[str, Any]:
     return {"rng": _rank_states.rng_state(), "generators": _generator_states(loaders)}
 
 
-def position(epoch: int, batches: int, validating: bool, start: Optional[Dict[str, Any]],
+def position(epoch: int, batches: int, validation: Optional[str], start: Optional[Dict[str, Any]],
              loaders: Sequence[Any]) -> Dict[str, Any]:
-    """This rank's place in the data: ``batches`` of epoch ``epoch`` trained on (and the validation after them run,
-    where saved while ``validating``), the states its iterator was made from (``start``), its generators' states
-    now, and each loader's own ``state_dict()`` where it has one."""
+    """This rank's place in the data: ``batches`` of epoch ``epoch`` trained on (and where the validation after them
+    was, if it was running: at its ``end`` or ``inside`` it), the states its iterator was made from (``start``), its
+    generators' states now, and each loader's own ``state_dict()`` where it has one."""
     return {
         "epoch": epoch,
         "batches": batches,
-        "validated": validating,
+        "validation": validation,
         "start": start,
         "generators": _generator_states(loaders),
         "loaders": [loader.state_dict() if stateful(loader) else None for loader in loaders],

@@ -1,24 +1,46 @@
-"""A Trainer run resumed inside an epoch goes on from where it stopped, for every strategy: the batch the checkpoint
-was taken after is not trained again (Lightning 2.0.x and 2.1 trained it again), and the epoch's data goes on
-from the next batch (they fed the epoch's first ones again). Methods of Lightning 2.0.x's ``_TrainingEpochLoop``.
-"""
+"""A Trainer run resumed inside an epoch, or inside a validation, goes on from where it stopped, for every strategy and
+on any number of ranks. Methods of Lightning 2.0.x's ``_TrainingEpochLoop`` and of its checkpoint connector, which
+keeps every rank's data position and the run's data cursor in a checkpoint entry of their own."""
 import contextlib
+import dataclasses
 import functools
+import logging
 import warnings
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, Optional
 
-from . import _data_position, _rank_states, _ranks
+from . import _data_cursor, _data_position, _rank_states, _ranks
 
-KEY = "lightning_fsdp_resume_data_position"  # in the epoch loop's state dict: every rank's position, by rank
-_START = "_lightning_fsdp_resume_epoch_start"  # this rank's random states as the epoch's iterator was made
-_PENDING = "_lightning_fsdp_resume_position"  # this rank's position in the checkpoint being resumed
-_END_OF_BATCH = "_lightning_fsdp_resume_end_of_batch"  # the saved batch was trained, its end was not run
-_VALIDATED = "_lightning_fsdp_resume_validated"  # the validation due after it ran: the save was at its end
+log = logging.getLogger(__name__)
+ENTRY = "data_position"  # the checkpoint's entry: every rank's position and the run's data cursor
+_LEGACY = "lightning_fsdp_resume_data_position"  # where releases before 0.10 kept the positions: in the loop's state
+_STATE = "_lightning_fsdp_resume"  # the one attribute this package keeps on Lightning's epoch loop: a _LoopState
 _STOCK_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+END, INSIDE = "end", "inside"  # where a save made during a validation was made: at its end, or inside it
 
 
-def _on(self: Any) -> bool:
-    return _data_position.mode() != _data_position.LIGHTNING
+@dataclasses.dataclass
+class _LoopState:
+    start: Optional[Dict[str, Any]] = None  # this rank's random states as the epoch's data iterator was made
+    pending: Optional[Dict[str, Any]] = None  # this rank's position in the checkpoint being resumed
+    end_of_batch: bool = False  # the saved batch was trained, its end was not run
+    validation: Optional[bool] = None  # the validation due after it: run (it was interrupted), skip (it ran) or as due
+    segment: Optional[Dict[str, int]] = None  # where this epoch's data order stands (``_data_cursor``)
+    put_back: Optional[tuple] = None  # Lightning's epoch length and validation interval, changed for a resumed epoch
+    stock: bool = False  # this epoch resumes as Lightning resumes it
+    rng_after_validation: Optional[Dict[str, Any]] = None  # the saved random states, again once that validation ran
+
+
+def _state(loop: Any) -> _LoopState:
+    state = vars(loop).get(_STATE)
+    if state is None:
+        state = vars(loop)[_STATE] = _LoopState()
+    return state
+
+
+def _on(self: Any = None) -> bool:
+    """Whether this package places the data (else Lightning's own resume runs): by ``set_mid_epoch_resume``, and for
+    one epoch resumed where nothing can go on exactly."""
+    return _data_position.mode() != _data_position.LIGHTNING and not (self is not None and _state(self).stock)
 
 
 def _loaders(self: Any) -> list:
@@ -26,25 +48,47 @@ def _loaders(self: Any) -> list:
     return list(loader.flattened) if loader is not None else []
 
 
-def wrap_on_save_checkpoint(original: Callable) -> Callable:
-    """Every rank's data position beside the loop's counters, where every rank saves (the patched FSDP strategy's
-    saves are collectives); rank 0's for every rank elsewhere, whose saves rank 0 may make alone (DDP)."""
+def wrap_dump_checkpoint(original: Callable) -> Callable:
+    """The checkpoint's entry ``data_position``, beside Lightning's own (whose loop state stays as Lightning writes
+    it): every rank's position where every rank saves (the patched FSDP strategy's saves are collectives), rank 0's
+    for every rank elsewhere (DDP, whose saves rank 0 may make alone), and the run's data cursor."""
 
     @functools.wraps(original)
-    def on_save_checkpoint(self: Any) -> Dict:
-        state = original(self)
-        if _on(self):
-            trainer = self.trainer
-            mine = _data_position.position(trainer.current_epoch, self.batch_progress.current.processed,
-                                           trainer.validating and trainer.state.fn == "fit", vars(self).get(_START),
-                                           _loaders(self))
-            if _every_rank_saves(trainer):
-                state[KEY] = _ranks.everyone(mine)
-            else:
-                state[KEY] = [dict(mine, every_rank=_rank_states.rank_and_world_size()[1] > 1)]
-        return state
+    def dump_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Dict:
+        checkpoint = original(self, *args, **kwargs)
+        if _on():
+            checkpoint[ENTRY] = _entry(self.trainer)
+        return checkpoint
 
-    return on_save_checkpoint
+    return dump_checkpoint
+
+
+def _entry(trainer: Any) -> Dict[str, Any]:
+    loop = trainer.fit_loop.epoch_loop
+    batches = loop.batch_progress.current.processed
+    validation = None
+    if trainer.validating and trainer.state.fn == "fit":
+        validation = END if _validation_finished(loop.val_loop) else INSIDE
+    loaders = _loaders(loop)
+    mine = _data_position.position(trainer.current_epoch, batches, validation, _state(loop).start, loaders)
+    world_size = _rank_states.rank_and_world_size()[1]
+    found = _data_cursor.identity(loaders[0]) if len(loaders) == 1 else None
+    segment = _state(loop).segment or _data_cursor.first_segment(world_size)
+    return {
+        "world_size": world_size,
+        "positions": _ranks.everyone(mine) if _every_rank_saves(trainer) else [mine],
+        "cursor": _data_cursor.cursor(found, segment, batches) if found else None,
+    }
+
+
+def _validation_finished(val_loop: Any) -> bool:
+    """Whether the validation running now has run all its batches (a save at its end: ``ModelCheckpoint(monitor=...)``
+    in ``on_validation_end``), rather than being inside them (a failure, a signal, a save from a step)."""
+    progress = val_loop.batch_progress
+    if progress.current.ready != progress.current.completed:
+        return False
+    total = sum(val_loop.max_batches)
+    return progress.is_last_batch or progress.current.completed >= total
 
 
 def _every_rank_saves(trainer: Any) -> bool:
@@ -53,21 +97,42 @@ def _every_rank_saves(trainer: Any) -> bool:
     return getattr(type(trainer.strategy), "save_checkpoint", None) is _strategy.save_checkpoint
 
 
-def wrap_on_load_checkpoint(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def on_load_checkpoint(self: Any, state_dict: Dict) -> None:
-        original(self, state_dict)
-        saved = state_dict.get(KEY)
-        vars(self).pop(_PENDING, None)
-        if not isinstance(saved, list) or not saved:
-            return
-        rank, world_size = _rank_states.rank_and_world_size()
-        mine = saved[rank] if rank < len(saved) else saved[0]
-        for_every_rank = len(saved) == 1 and mine.get("every_rank")
-        # on another number of ranks, a sampler's share of the data differs: said where the epoch is resumed inside
-        vars(self)[_PENDING] = dict(mine, saved_by=len(saved) if len(saved) != world_size and not for_every_rank else None)
+def wrap_restore_loops(original: Callable) -> Callable:
+    """This rank's position in the checkpoint being resumed, handed to the epoch loop: the ``data_position`` entry, or
+    an earlier release's positions inside the loop's state."""
 
-    return on_load_checkpoint
+    @functools.wraps(original)
+    def restore_loops(self: Any) -> None:
+        original(self)
+        loaded, trainer = self._loaded_checkpoint, self.trainer
+        if not loaded or trainer.state.fn != "fit":
+            return
+        state = _state(trainer.fit_loop.epoch_loop)
+        entry = loaded.get(ENTRY) or _legacy_entry(loaded)
+        state.pending = _mine(entry) if isinstance(entry, dict) and entry.get("positions") else None
+
+    return restore_loops
+
+
+def _legacy_entry(loaded: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    loop = loaded.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
+    positions = loop.get(_LEGACY) if isinstance(loop, dict) else None
+    if not isinstance(positions, list) or not positions:
+        return None
+    every_rank = len(positions) == 1 and positions[0].get("every_rank")
+    world_size = _rank_states.rank_and_world_size()[1] if every_rank else len(positions)
+    for position in positions:
+        position.setdefault("validation", END if position.get("validated") else None)
+    return {"world_size": world_size, "positions": positions, "cursor": None}
+
+
+def _mine(entry: Dict[str, Any]) -> Dict[str, Any]:
+    """This rank's saved position (rank 0's where it saved alone, or where this rank did not exist), with the run's
+    cursor and the number of ranks that saved it."""
+    rank = _rank_states.rank_and_world_size()[0]
+    positions = entry["positions"]
+    mine = positions[rank] if rank < len(positions) else positions[0]
+    return dict(mine, cursor=entry.get("cursor"), saved_by=entry["world_size"])
 
 
 def wrap_reset(original: Callable) -> Callable:
@@ -75,24 +140,32 @@ def wrap_reset(original: Callable) -> Callable:
     ``ModelCheckpoint(every_n_train_steps=...)`` saves) counts that batch as done, and ``advance`` then runs only
     the rest of that batch's end (validation if due, ``_batches_that_stepped``), as the uninterrupted run did. One
     taken at the end of the validation after a batch (``ModelCheckpoint(monitor=...)``) runs that end without the
-    validation, which Lightning ran again."""
+    validation, which Lightning ran again; one taken inside that validation (a failure, a signal) finishes it."""
 
     @functools.wraps(original)
     def reset(self: Any) -> None:
         if not (self.restarting and _on(self)):
             return original(self)
+        state = _state(self)
         batches = self.batch_progress
         trained = batches.current.processed > batches.current.completed
         if trained:
             batches.current.completed = batches.current.processed
             batches.total.completed = batches.total.processed
-        _refuse_inside_accumulation(self)
+        if _between_accumulation_steps(self):
+            if trained:  # Lightning's own resume trains that batch again
+                batches.current.completed -= 1
+                batches.total.completed -= 1
+            state.stock, state.pending, state.end_of_batch, state.validation = True, None, False, None
+            return original(self)
         with _quiet(_STOCK_WARNING):
             original(self)
-        saved = vars(self).get(_PENDING)
-        validated = bool(saved and saved.get("validated")) and batches.current.completed > 0
-        vars(self)[_END_OF_BATCH] = trained or validated
-        vars(self)[_VALIDATED] = validated
+        saved = state.pending
+        where = saved.get("validation") if saved and batches.current.completed > 0 else None
+        if where == INSIDE:
+            _validate_again(self.val_loop.batch_progress)
+        state.end_of_batch = trained or where is not None
+        state.validation = {END: False, INSIDE: True}.get(where)  # type: ignore[arg-type]
         if saved is None and _inside_epoch(self) and self.trainer.global_rank == 0:
             warnings.warn(
                 "You're resuming from a checkpoint that ended before the epoch ended and that does not say where"
@@ -103,11 +176,24 @@ def wrap_reset(original: Callable) -> Callable:
     return reset
 
 
+def _validate_again(progress: Any) -> None:
+    """A validation interrupted inside its batches runs again from its first, and its completed batches count once:
+    its metrics (epoch means, what ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` read) are then the
+    uninterrupted run's, which those batches' logged values, not in any checkpoint, could not be otherwise."""
+    done = progress.current.completed
+    for counter in ("ready", "started", "processed", "completed"):
+        setattr(progress.total, counter, getattr(progress.total, counter) - done)
+        setattr(progress.current, counter, 0)
+
+
 def wrap_advance(original: Callable) -> Callable:
     @functools.wraps(original)
     def advance(self: Any, data_fetcher: Any) -> None:
-        if vars(self).pop(_END_OF_BATCH, False):
-            self.val_loop.restarting = False  # a validation due after that batch had not started: it runs anew
+        state = _state(self)
+        if state.end_of_batch:
+            state.end_of_batch = False
+            if not state.validation:
+                self.val_loop.restarting = False  # a validation due after that batch had not started: it runs anew
             return  # on_advance_end runs the end of the batch the checkpoint was taken after
         original(self, data_fetcher)
 
@@ -117,35 +203,80 @@ def wrap_advance(original: Callable) -> Callable:
 def wrap_should_check_val_fx(original: Callable) -> Callable:
     @functools.wraps(original)
     def _should_check_val_fx(self: Any, *args: Any, **kwargs: Any) -> bool:
-        if vars(self).pop(_VALIDATED, False):
-            return False  # the checkpoint was saved at the end of this validation: it ran
+        state = _state(self)
+        if state.validation is not None:
+            # saved inside this validation: it goes on (Lightning's val loop restarts); saved at its end: it ran
+            decided, state.validation = state.validation, None
+            return decided
         return original(self, *args, **kwargs)
 
     return _should_check_val_fx
 
 
+def wrap_on_advance_end(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def on_advance_end(self: Any) -> None:
+        original(self)
+        state = _state(self)
+        if state.rng_after_validation is not None:
+            _rank_states.set_rng_state(state.rng_after_validation)
+            state.rng_after_validation = None
+
+    return on_advance_end
+
+
+def wrap_run(original: Callable) -> Callable:
+    """The epoch's length and validation interval as Lightning set them for the next epoch, where a resume on another
+    number of ranks changed them for this one."""
+
+    @functools.wraps(original)
+    def run(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            state = _state(self)
+            state.stock = False
+            if state.put_back is not None:
+                self.trainer.fit_loop.max_batches, self.trainer.val_check_batch = state.put_back
+                state.put_back = None
+
+    return run
+
+
 def wrap_on_run_start(original: Callable) -> Callable:
     """The epoch's data iterator, made as the uninterrupted run made it, and on a resume inside the epoch going on
-    from the batch after the checkpoint's."""
+    from the batch after the checkpoint's: on the number of ranks that saved it by the rank's own position, on
+    another from the run's data cursor."""
 
     @functools.wraps(original)
     def on_run_start(self: Any, data_fetcher: Any) -> None:
         if not _on(self):
             return original(self, data_fetcher)
+        state = _state(self)
         loaders = _loaders(self)
-        saved = vars(self).pop(_PENDING, None)
+        saved, state.pending = state.pending, None
+        world_size = self.trainer.world_size
+        if saved is not None and saved.get("validation") == INSIDE and self.restarting:
+            # saved inside a validation, after its data iterator drew a random number, which running it again draws
+            # again: the states restored now are the ones the uninterrupted run went on with after it
+            state.rng_after_validation = _rank_states.rng_state()
         if saved is None or not saved.get("start") or saved["epoch"] != self.trainer.current_epoch or not self.restarting:
             if saved is not None:  # resumed at an epoch's end: the samplers' generators as the saving run left them
                 _data_position.restore_generators(loaders, saved["generators"])
-            vars(self)[_START] = _data_position.epoch_start(loaders)
+            state.start = _data_position.epoch_start(loaders)
+            state.segment = None
             return original(self, data_fetcher)
-        vars(self)[_START] = saved["start"]
-        if saved["batches"] and saved["saved_by"] and self.trainer.global_rank == 0:
-            warnings.warn(
-                f"The checkpoint was taken inside epoch {saved['epoch']} by {saved['saved_by']} ranks and is resumed on"
-                f" {self.trainer.world_size}: each rank leaves out the {saved['batches']} batches it would have trained"
-                " first in this epoch, which on another number of ranks are not the samples the saving run trained on."
-            )
+        cursor = saved.get("cursor")
+        segment = cursor["segment"] if cursor else None
+        if saved["saved_by"] != world_size and self.batch_progress.is_last_batch:
+            state.start, state.segment = _data_position.epoch_start(loaders), None
+            return original(self, data_fetcher)  # saved after the epoch's last batch: it has nothing left to place
+        if segment is not None and (segment["ranks"] != world_size or segment["start"]):
+            return _resume_from_cursor(self, original, data_fetcher, loaders, saved)
+        state.segment = segment
+        state.start = saved["start"]
+        if saved["saved_by"] != world_size and saved["batches"]:
+            _refuse_or_approximate(self, loaders, saved)
         if saved["batches"] == 0:
             _data_position.restore_generators(loaders, saved["start"]["generators"])
             return original(self, data_fetcher)
@@ -160,14 +291,87 @@ def wrap_on_run_start(original: Callable) -> Callable:
             # a training_step taking `dataloader_iter` is handed a wrapper, which fetches when asked
             next(getattr(data_fetcher, "iterator_wrapper", data_fetcher))
 
-        if _data_position.reposition(loaders, saved, create, fetch) == "batches":
-            # the batches dropped count among the fetcher's own; the loop's count (batch_idx) is the one it set
-            data_fetcher.fetched = fetched[0]
-            length = _length(data_fetcher)
-            if length is not None:
-                data_fetcher.done = data_fetcher.fetched >= length
+        _data_position.reposition(loaders, saved, create, fetch)
+        # the batches left out count among the fetcher's own, by which a sized epoch ends (is_last_batch)
+        data_fetcher.fetched = fetched[0]
+        length = _length(data_fetcher)
+        if length is not None:
+            data_fetcher.done = data_fetcher.fetched >= length
 
     return on_run_start
+
+
+def _resume_from_cursor(self: Any, original: Callable, data_fetcher: Any, loaders: list, saved: Dict[str, Any]) -> None:
+    """The rest of the saved epoch from the run's data cursor: this rank's share of the samples not trained, on this
+    number of ranks; the epoch ends when every rank has trained its share (all take the same number of steps)."""
+    trainer, state = self.trainer, _state(self)
+    cursor, batches = saved["cursor"], saved["batches"]
+    loader = loaders[0] if len(loaders) == 1 else None
+    found = _data_cursor.identity(loader) if loader is not None else None
+    problem = _data_cursor.mismatch(cursor, found) if loader is not None else f"there are {len(loaders)} train dataloaders"
+    if problem or loader is None:
+        raise ValueError(
+            f"The checkpoint was taken inside epoch {saved['epoch']} by {saved['saved_by']} ranks, whose place in the"
+            f" data is kept as a position in the epoch's order, and is resumed on {trainer.world_size} ranks, but the"
+            f" train dataloader ({type(loader).__name__ if loader is not None else 'several'}) cannot be placed there:"
+            f" {problem}. Resume with the data the run was trained on."
+        )
+    rank = trainer.global_rank
+    placed = _data_cursor.place(cursor, rank, trainer.world_size, batches)
+    state.segment, state.start = placed.segment, _data_position.epoch_start(loaders)
+    more = _data_cursor.batches_in(len(placed.indices), loader.batch_size, loader.drop_last)
+    with _data_cursor.feeding(loader, placed.indices):
+        original(self, data_fetcher)
+    _end_epoch_after(self, data_fetcher, batches, more)
+    if rank == 0:
+        log.info(
+            "Resumed inside epoch %d on %d ranks from a checkpoint of %d: %d of its %d samples trained, each rank"
+            " trains %d batches of the rest.", saved["epoch"], trainer.world_size, cursor["segment"]["ranks"],
+            cursor["trained"], cursor["size"], more)
+
+
+def _end_epoch_after(self: Any, data_fetcher: Any, done: int, more: int) -> None:
+    """The resumed epoch ends after ``more`` batches beyond the ``done`` ones: the loop's length and, where it is a
+    fraction of the epoch, the validation interval set for this epoch (``run`` puts them back), and the fetcher's
+    end."""
+    trainer, fit_loop = self.trainer, self.trainer.fit_loop
+    _state(self).put_back = (fit_loop.max_batches, trainer.val_check_batch)
+    length = done + more
+    if fit_loop.max_batches < len(_loaders(self)[0]):  # limit_train_batches: the epoch ends there still
+        length = min(length, fit_loop.max_batches)
+    fit_loop.max_batches = length
+    if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch != float("inf"):
+        trainer.val_check_batch = max(1, int(length * trainer.val_check_interval))
+    more = max(0, length - done)
+    if hasattr(data_fetcher, "length"):  # Lightning 2.0.9: a sized epoch ends when `fetched` reaches `length`
+        data_fetcher.length = length
+        data_fetcher.fetched = done
+    else:  # 2.0.0 to 2.0.8: when it reaches the loader's length
+        data_fetcher.fetched = _length(data_fetcher) - more
+    data_fetcher.done = more == 0
+
+
+def _refuse_or_approximate(self: Any, loaders: list, saved: Dict[str, Any]) -> None:
+    """A checkpoint taken inside an epoch by another number of ranks whose data has no cursor: refused, unless the
+    user asked for an approximate resume, which says what it does."""
+    trainer = self.trainer
+    described = ", ".join(type(loader).__name__ for loader in loaders) or "none"
+    if not _data_position.approximate():
+        raise ValueError(
+            f"The checkpoint was taken inside epoch {saved['epoch']} (after batch {saved['batches']}) by"
+            f" {saved['saved_by']} ranks and is resumed on {trainer.world_size}, but its train dataloader ({described})"
+            " cannot be placed exactly on another number of ranks: only one DataLoader over a map-style dataset drawn"
+            " by a DistributedSampler can. Resume on the same number of ranks, or call"
+            " `lightning_fsdp_resume.set_mid_epoch_resume(..., other_rank_counts='approximate')` to go on with each rank"
+            " leaving out the batches it would have trained first."
+        )
+    if trainer.global_rank == 0:
+        warnings.warn(
+            f"The checkpoint was taken inside epoch {saved['epoch']} by {saved['saved_by']} ranks and is resumed on"
+            f" {trainer.world_size} (other_rank_counts='approximate'): each rank leaves out the {saved['batches']}"
+            " batches it would have trained first in this epoch, which on another number of ranks are not the samples"
+            " the saving run trained on."
+        )
 
 
 def _length(data_fetcher: Any) -> Any:
@@ -182,17 +386,22 @@ def _inside_epoch(self: Any) -> bool:
     return 0 < done and done != self.trainer.num_training_batches
 
 
-def _refuse_inside_accumulation(self: Any) -> None:
+def _between_accumulation_steps(self: Any) -> bool:
+    """Saved between two optimizer steps of ``accumulate_grad_batches``: the gradients accumulated since the last step
+    are in no checkpoint, so no resume goes on exactly from it; Lightning's own resume runs it, and rank 0 says so."""
     trainer = self.trainer
     done, every = self.batch_progress.current.completed, trainer.accumulate_grad_batches
-    if every > 1 and done % every and done != trainer.num_training_batches:
-        raise ValueError(
+    if not (every > 1 and done % every and done != trainer.num_training_batches):
+        return False
+    if trainer.global_rank == 0:
+        warnings.warn(
             f"The checkpoint was taken after batch {done} of epoch {trainer.current_epoch}, between two optimizer steps"
             f" of `Trainer(accumulate_grad_batches={every})`: the gradients accumulated since the last step are not in"
-            " a checkpoint, so the run cannot go on exactly from it. Resume from a checkpoint taken at an optimizer"
-            " step (`ModelCheckpoint(every_n_train_steps=...)` saves only there), or call"
-            " `lightning_fsdp_resume.set_mid_epoch_resume('lightning')` for Lightning's own resume."
+            " a checkpoint, so the run cannot go on exactly from it; this epoch resumes as Lightning resumes it (its"
+            " data from the first batch). Resume from a checkpoint taken at an optimizer step"
+            " (`ModelCheckpoint(every_n_train_steps=...)` saves only there) to go on exactly."
         )
+    return True
 
 
 @contextlib.contextmanager

@@ -187,14 +187,27 @@ def EPOCH_LOOP_PATCHES() -> Rows:
     from . import _epoch_loop
 
     return {
-        # every rank's data position saved beside the loop's counters, and read back
-        "on_save_checkpoint": Wrap(_epoch_loop.wrap_on_save_checkpoint),
-        "on_load_checkpoint": Wrap(_epoch_loop.wrap_on_load_checkpoint),
         # the batch the checkpoint was taken after is done: not trained again, its end (validation) run
         "reset": Wrap(_epoch_loop.wrap_reset),
         "advance": Wrap(_epoch_loop.wrap_advance),
         # a checkpoint saved at the end of a validation inside the epoch: that validation is not run again
         "_should_check_val_fx": Wrap(_epoch_loop.wrap_should_check_val_fx),
+        # one saved inside a validation: that validation runs again, and training goes on with the saved random states
+        "on_advance_end": Wrap(_epoch_loop.wrap_on_advance_end),
         # the epoch's data iterator made from the epoch's random states, going on after the checkpoint's batch
         "on_run_start": Wrap(_epoch_loop.wrap_on_run_start),
+        # a resume on another number of ranks changes the epoch's length for that epoch only
+        "run": Wrap(_epoch_loop.wrap_run),
+    }
+
+
+# Every rank's data position and the run's data cursor in a checkpoint entry of their own, any strategy: Lightning's
+# loop state stays as Lightning writes it
+@patches(TRAINER, "trainer.connectors.checkpoint_connector", "_CheckpointConnector")
+def CHECKPOINT_CONNECTOR_PATCHES() -> Rows:
+    from . import _epoch_loop
+
+    return {
+        "dump_checkpoint": Wrap(_epoch_loop.wrap_dump_checkpoint),
+        "restore_loops": Wrap(_epoch_loop.wrap_restore_loops),
     }

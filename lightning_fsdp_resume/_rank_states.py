@@ -1,7 +1,7 @@
 """What each rank keeps to itself and a checkpoint must hold once per rank for an exact resume: its RNG states and the
 buffers its own batches updated (FSDP does not synchronise buffers, e.g. BatchNorm's statistics) and the average of
 them ``ShardedEMA`` keeps (``_ema``), as one list by rank, ``rank_states``, written by rank 0, read with
-``weights_only=True``, restored on the world size that saved it.
+``weights_only=True``, restored on each rank the saving run had.
 """
 import pickle
 import random
@@ -95,26 +95,31 @@ def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
 
 
 def restore(states: Any, module: Any, where: str = "The checkpoint") -> None:
-    """This rank's RNG states and buffers from ``states`` (a checkpoint's ``rank_states``) when the world size is
-    the one that saved them; otherwise a one-line warning on rank 0 and nothing restored."""
+    """This rank's RNG states and buffers from ``states`` (a checkpoint's ``rank_states``), where this rank saved
+    some (``restore_buffers``)."""
     if restore_buffers(states, module, where):
         restore_rng(states)
 
 
 def restore_buffers(states: Any, module: Any, where: str = "The checkpoint") -> bool:
-    """This rank's buffers from ``states``; False, after a one-line warning on rank 0, on another world size."""
+    """This rank's buffers from ``states``; False where it has none there: a rank the saving run did not have keeps
+    the random states its run started with and rank 0's buffers (the model's). On another world size rank 0 says so
+    in one warning."""
     import torch
 
     rank, world_size = rank_and_world_size()
-    if not isinstance(states, list) or len(states) != world_size:
-        if rank == 0:
-            import warnings
+    saved = len(states) if isinstance(states, list) else 0
+    if saved != world_size and rank == 0:
+        import warnings
 
-            saved = len(states) if isinstance(states, list) else "an unknown number of"
-            warnings.warn(
-                f"{where} was saved by {saved} ranks and is resumed on {world_size}: each rank's random number"
-                " generator states and rank-local buffers are not restored (every rank has rank 0's buffers)."
-            )
+        if saved > world_size:
+            what = f"ranks 0 to {world_size - 1} get their own random number generator states and rank-local buffers back"
+        else:
+            what = (f"ranks 0 to {saved - 1} get their own random number generator states and rank-local buffers back;"
+                    f" ranks {saved} to {world_size - 1} keep the random states this run gave them and rank 0's buffers")
+        warnings.warn(f"{where} was saved by {saved or 'an unknown number of'} ranks and is resumed on {world_size}: "
+                      + (what if saved else "each rank's random number generator states and buffers are not restored"))
+    if rank >= saved:
         return False
     if module is not None:
         with torch.no_grad():
@@ -126,7 +131,7 @@ def restore_buffers(states: Any, module: Any, where: str = "The checkpoint") -> 
 
 
 def restore_rng(states: List[Dict[str, Any]]) -> None:
-    """This rank's random number generator states from ``states``, whose world size ``restore_buffers`` checked."""
+    """This rank's random number generator states from ``states``, which ``restore_buffers`` found it in."""
     set_rng_state(states[rank_and_world_size()[0]]["rng"])
 
 

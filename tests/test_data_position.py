@@ -15,7 +15,7 @@ def _uninterrupted(at: int, workers: int = 0):
     """The epoch's batches, the position after ``at`` of them, and the random state right after batch ``at - 1``."""
     torch.manual_seed(3)
     loader = _loader(workers)
-    position = _data_position.position(0, at, False, _data_position.epoch_start([loader]), [loader])
+    position = _data_position.position(0, at, None, _data_position.epoch_start([loader]), [loader])
     batches = [batch[0].tolist() for batch in loader]
     return batches, position
 

@@ -32,7 +32,8 @@ def _records(out: Path, name: str, rank: int) -> list:
 def _resumes_exactly(tmp_path: Path, args, at_steps, nproc: int = 2, weights: bool = True, name: str = "step={}.ckpt") -> str:
     """The uninterrupted run, then one resumed from each step of ``at_steps``: from that step on, every rank trains
     the same samples at the same steps and batch indices, validates at the same steps (at the checkpoint's step too,
-    unless it was saved at the end of that validation), and ends with the same shards and optimizer state. Returns
+    unless it was saved at the end of that validation) with the same metric, and ends with the same shards and
+    optimizer state (``weights``: else the steps and data alone are compared). Returns
     the resumed runs' output."""
     saved_after_validating = "--at-validation-end" in args
     ref = _run(tmp_path / "ref", *args, nproc=nproc)
@@ -45,7 +46,10 @@ def _resumes_exactly(tmp_path: Path, args, at_steps, nproc: int = 2, weights: bo
             expected = [record for record in _records(ref, "trained", rank) if record[0] >= step]
             assert _records(resumed, "trained", rank) == expected, f"rank {rank}, resumed from step {step}"
             validated = [r for r in _records(ref, "validated", rank) if r[0] > step or r[0] == step and not saved_after_validating]
-            assert _records(resumed, "validated", rank) == validated, f"rank {rank}, resumed from step {step}"
+            got = _records(resumed, "validated", rank)
+            if not weights:  # the metrics too, where the weights are the same
+                got, validated = [r[:2] for r in got], [r[:2] for r in validated]
+            assert got == validated, f"rank {rank}, resumed from step {step}"
         assert info(resumed, "final")["global_step"] == info(ref, "final")["global_step"]
         if weights:
             assert_ranks_identical(ref, "final", resumed, "final")
@@ -125,18 +129,19 @@ def test_ddp_saved_by_rank_zero_alone_resumes_every_rank_in_place(tmp_path):
     _resumes_exactly(tmp_path, args, at_steps=[3], weights=False, name="mid-epoch.ckpt")
 
 
-@pytest.mark.skipif(NATIVE, reason="the shim's refusal: native Lightning is not patched")
+@pytest.mark.skipif(NATIVE, reason="the shim's warning: native Lightning is not patched")
 @needs_cpu_fsdp
-def test_gradient_accumulation_resumes_at_its_steps_and_refuses_between_them(tmp_path):
+def test_gradient_accumulation_resumes_at_its_steps_and_as_lightning_does_between_them(tmp_path):
     """``accumulate_grad_batches=2``: a checkpoint at an optimizer step resumes exactly; one taken between two steps
-    (after batch 3) is refused, naming the setting, for its accumulated gradients are in no checkpoint."""
+    (after batch 3), whose accumulated gradients are in no checkpoint, resumes as Lightning resumes it (its own loop
+    tests resume such checkpoints), and rank 0 says so, naming the setting."""
     args = ["--accumulate", "2", "--every", "2", "--save-at-batch", "3", "--state-dict-type", "full"]
     _resumes_exactly(tmp_path, args, at_steps=[2])
-    mid_epoch_worker("--out", tmp_path / "mid" / "out", "--ckpt-dir", tmp_path / "mid" / "ckpt", *args,
-                     "--ckpt-path", tmp_path / "ref" / "ckpt" / "mid-epoch.ckpt", expect_failure=True)
-    error = (tmp_path / "mid" / "out" / "error_rank0.txt").read_text()
-    assert "ValueError: The checkpoint was taken after batch 3 of epoch 0, between two optimizer steps of" \
-           " `Trainer(accumulate_grad_batches=2)`" in error
+    output = mid_epoch_worker("--out", tmp_path / "mid" / "out", "--ckpt-dir", tmp_path / "mid" / "ckpt", *args,
+                              "--ckpt-path", tmp_path / "ref" / "ckpt" / "mid-epoch.ckpt")
+    assert output.count("The checkpoint was taken after batch 3 of epoch 0, between two optimizer steps of"
+                        " `Trainer(accumulate_grad_batches=2)`") == 1
+    assert info(tmp_path / "mid" / "out", "final")["epoch"] == info(tmp_path / "ref" / "out", "final")["epoch"]
 
 
 @pytest.mark.skipif(NATIVE, reason="the shim's resume of a StatefulDataLoader: native Lightning is not patched")
@@ -181,14 +186,29 @@ def test_lightnings_own_resume_on_request_and_a_checkpoint_without_a_position_wa
     assert info(shim, "final")["global_step"] == 12
 
 
-@pytest.mark.skipif(NATIVE, reason="the shim's data position: native Lightning is not patched")
+@pytest.mark.skipif(NATIVE, reason="the shim's resume inside a validation: native Lightning is not patched")
 @needs_cpu_fsdp
-def test_a_checkpoint_inside_an_epoch_resumed_on_three_ranks_says_its_samples_differ(tmp_path):
-    """Saved by 2 ranks inside epoch 0, resumed on 3: each rank leaves out as many batches as it trained, which are
-    not the same samples on another number of ranks, and rank 0 says so once; the run goes on to its end."""
-    _run(tmp_path / "ref", "--max-epochs", 1, "--every", 2)
-    output = mid_epoch_worker("--out", tmp_path / "three" / "out", "--ckpt-dir", tmp_path / "three" / "ckpt",
-                              "--max-epochs", 2, "--ckpt-path", tmp_path / "ref" / "ckpt" / "step=2.ckpt", nproc=3)
-    assert output.count("The checkpoint was taken inside epoch 0 by 2 ranks and is resumed on 3: each rank leaves"
-                        " out the 2 batches") == 1
-    assert info(tmp_path / "three" / "out", "final")["epoch"] == 2
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_failure_inside_a_validation_resumes_by_finishing_that_validation(tmp_path, ranks):
+    """A validation every 2 batches (2 batches each), a failure in the second batch of the one after step 4 (inside
+    epoch 0), saved by ``OnExceptionCheckpoint``: on 2 ranks the resumed run validates at step 4 with the metric the
+    uninterrupted run logged, then trains and validates as it did, to the same weights; on 3 ranks every rank runs
+    that validation, then the rest of the epoch."""
+    args = ["--data", "shuffle", "--val-every", "2", "--state-dict-type", "sharded", "--max-epochs", "1"]
+    ref = _run(tmp_path / "ref", *args)
+    failed = tmp_path / "failed"
+    mid_epoch_worker("--out", failed / "out", "--ckpt-dir", failed / "ckpt", *args, "--fail-in-validation", 0, 4, 1,
+                     expect_failure=True)
+    assert "Interrupted: validation batch 1 at step 4" in (failed / "out" / "error_rank0.txt").read_text()
+    resumed = tmp_path / "resumed" / "out"
+    mid_epoch_worker("--out", resumed, "--ckpt-dir", resumed.parent / "ckpt", *args, "--ckpt-path",
+                     failed / "ckpt" / "on-exception.ckpt", nproc=ranks)
+    for rank in range(ranks):
+        validated = _records(resumed, "validated", rank)
+        if ranks == 2:
+            assert _records(resumed, "trained", rank) == [r for r in _records(ref, "trained", rank) if r[0] >= 4]
+            assert validated == [r for r in _records(ref, "validated", rank) if r[0] >= 4], f"rank {rank}"
+        else:
+            assert [r[:2] for r in validated] == [[4, 0], [6, 0]], f"rank {rank}"
+    if ranks == 2:
+        assert_ranks_identical(ref, "final", resumed, "final")

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 def test_checkpoint_from_two_ranks_resumes_on_other_world_sizes(reference, tmp_path, state_dict_type, ranks, wrap):
     """Right after loading, the gathered weights and optimizer state equal the 2-rank run's at the checkpoint;
-    the ranks' own RNG states and buffers are not restored, with one warning."""
+    each rank that saved gets its own RNG states and buffers back, a new rank keeps its own, and one warning says so."""
     use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
     supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
     if not supported:

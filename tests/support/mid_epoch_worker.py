@@ -27,21 +27,21 @@ from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
 L = TRAINER_UNDER_TEST.module()
 ModelCheckpoint = TRAINER_UNDER_TEST.module("callbacks").ModelCheckpoint
 FSDPStrategy = TRAINER_UNDER_TEST.module("strategies").FSDPStrategy
-SAMPLES = 48  # 6 batches of 4 per rank and epoch on 2 ranks, 12 on one
+SAMPLES = 48  # 6 batches of 4 per rank and epoch on 2 ranks, 12 on one (--samples: another size)
 
 
 class Samples(torch.utils.data.Dataset):
     """Sample i is (x_i, y_i, i); ``augment``: x plus noise drawn from the process's random number generator (the
     main process's, or a worker's)."""
 
-    def __init__(self, augment: bool = False) -> None:
+    def __init__(self, augment: bool = False, size: int = SAMPLES) -> None:
         generator = torch.Generator().manual_seed(1234)
-        self.x = torch.randn(SAMPLES, 8, generator=generator)
-        self.y = torch.randn(SAMPLES, 2, generator=generator)
+        self.x = torch.randn(size, 8, generator=generator)
+        self.y = torch.randn(size, 2, generator=generator)
         self.augment = augment
 
     def __len__(self) -> int:
-        return SAMPLES
+        return len(self.x)
 
     def __getitem__(self, i):
         x = self.x[i] + 0.1 * torch.randn(8) if self.augment else self.x[i]
@@ -61,14 +61,15 @@ class Stream(torch.utils.data.IterableDataset):
             yield self.samples[i]
 
 
-def loader(kind: str, workers: int, augment: bool, persistent: bool = False):
+def loader(kind: str, workers: int, augment: bool, persistent: bool = False, size: int = SAMPLES,
+           sampler_drop_last: bool = False, loader_drop_last: bool = False):
     if kind == "pair":  # two loaders, which Lightning combines (max_size_cycle): the shorter one starts again
         small = torch.utils.data.Subset(Samples(augment), range(20))
         return {"a": loader("shuffle", workers, augment), "b": torch.utils.data.DataLoader(small, batch_size=4, shuffle=True)}
-    kwargs = {"batch_size": 4, "num_workers": workers, "persistent_workers": persistent}
+    kwargs = {"batch_size": 4, "num_workers": workers, "persistent_workers": persistent, "drop_last": loader_drop_last}
     if kind == "iterable":
         return torch.utils.data.DataLoader(Stream(augment), **kwargs)
-    dataset = Samples(augment)
+    dataset = Samples(augment, size)
     if kind == "sequential":
         return torch.utils.data.DataLoader(dataset, **kwargs)
     if kind == "shuffle":
@@ -78,7 +79,8 @@ def loader(kind: str, workers: int, augment: bool, persistent: bool = False):
         return torch.utils.data.DataLoader(dataset, sampler=sampler, **kwargs)
     if kind == "user-distributed":  # the user's own DistributedSampler, which Lightning keeps (and sets the epoch of)
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=int(os.environ["WORLD_SIZE"]),
-                                                      rank=int(os.environ["RANK"]), shuffle=True, seed=3)
+                                                      rank=int(os.environ["RANK"]), shuffle=True, seed=3,
+                                                      drop_last=sampler_drop_last)
         return torch.utils.data.DataLoader(dataset, sampler=sampler, **kwargs)
     if kind == "stateful":  # a loader that says where it is: torchdata's
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -91,12 +93,17 @@ def loader(kind: str, workers: int, augment: bool, persistent: bool = False):
     raise ValueError(kind)
 
 
+class Interrupted(Exception):
+    """A failure inside a validation (as a preemption's signal would stop it)."""
+
+
 class Net(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.body = models.body("dropout")
         self.head = nn.Linear(16, 2)
         self.trained, self.validated = [], []
+        self.fail_at = None  # [epoch, global step, validation batch] where validation_step raises, once
 
     def forward(self, x):
         return self.head(torch.tanh(self.body(x)))
@@ -109,11 +116,17 @@ class Net(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y, _ = batch
+        if self.fail_at == [self.current_epoch, self.global_step, batch_idx]:
+            raise Interrupted(f"validation batch {batch_idx} at step {self.global_step}")
         self.log("val_loss", nn.functional.mse_loss(self(x), y))
 
     def on_validation_epoch_end(self):
         if self.trainer.state.fn == "fit":
             self.validated.append([self.global_step, self.current_epoch])
+
+    def on_validation_end(self):
+        if self.trainer.state.fn == "fit":  # the epoch's mean, as the callbacks read it
+            self.validated[-1].append(self.trainer.callback_metrics["val_loss"].item())
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-2)
@@ -140,11 +153,18 @@ def main() -> None:
     parser.add_argument("--mode", default=None, help="lightning_fsdp_resume.set_mid_epoch_resume(MODE)")
     parser.add_argument("--save-at-batch", type=int, default=None, help="also save mid-epoch.ckpt after this batch of epoch 0")
     parser.add_argument("--rank-zero-saves", action="store_true", help="mid-epoch.ckpt is saved by rank 0 alone")
+    parser.add_argument("--samples", type=int, default=SAMPLES, help="the dataset's size")
+    parser.add_argument("--sampler-drop-last", action="store_true", help="DistributedSampler(drop_last=True)")
+    parser.add_argument("--loader-drop-last", action="store_true", help="DataLoader(drop_last=True)")
+    parser.add_argument("--no-shuffle", action="store_true", help="the user's DistributedSampler, not shuffling")
+    parser.add_argument("--fail-in-validation", type=int, nargs=3, metavar=("EPOCH", "STEP", "BATCH"), default=None,
+                        help="raise in that validation batch (unless resuming), OnExceptionCheckpoint saving on-exception.ckpt")
+    parser.add_argument("--other-rank-counts", default=None, help="set_mid_epoch_resume(other_rank_counts=...)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
-    if args.mode:
-        lightning_fsdp_resume.set_mid_epoch_resume(args.mode)
+    if args.mode or args.other_rank_counts:
+        lightning_fsdp_resume.set_mid_epoch_resume(args.mode or "skip", other_rank_counts=args.other_rank_counts or "exact")
     logging.basicConfig()
     logging.getLogger("lightning_fsdp_resume").setLevel(logging.INFO)  # the resume's line, for the tests to read
 
@@ -167,19 +187,30 @@ def main() -> None:
     callbacks = [ModelCheckpoint(dirpath=str(args.ckpt_dir), filename="{step}", save_top_k=-1, **saving)]
     if args.save_at_batch is not None:
         callbacks.append(SaveAt(args.ckpt_dir / "mid-epoch.ckpt", args.save_at_batch, args.rank_zero_saves))
+    if args.fail_in_validation:
+        callbacks.append(TRAINER_UNDER_TEST.module("callbacks").OnExceptionCheckpoint(str(args.ckpt_dir), "on-exception"))
     validation = {"val_check_interval": args.val_every, "limit_val_batches": 2} if args.val_every else {"limit_val_batches": 0}
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.max_epochs,
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, deterministic=True, accumulate_grad_batches=args.accumulate, **validation)
     model = Net()
-    data = loader(args.data, args.workers, args.augment, args.persistent_workers)
+    model.fail_at = None if args.ckpt_path else args.fail_in_validation
+    data = loader(args.data, args.workers, args.augment, args.persistent_workers, args.samples, args.sampler_drop_last,
+                  args.loader_drop_last)
+    if args.no_shuffle:  # Lightning's own DistributedSampler always shuffles training data: the user's, in order
+        sampler = torch.utils.data.DistributedSampler(data.dataset, num_replicas=int(os.environ["WORLD_SIZE"]),
+                                                      rank=int(os.environ["RANK"]), shuffle=False)
+        data = torch.utils.data.DataLoader(data.dataset, batch_size=data.batch_size, drop_last=data.drop_last, sampler=sampler)
     val = {"val_dataloaders": loader("sequential", 0, False)} if args.val_every else {}
     try:
         trainer.fit(model, train_dataloaders=data, ckpt_path=args.ckpt_path, **val)
-    except Exception:
+    except Exception as error:
         import traceback
 
         (args.out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        if isinstance(error, Interrupted):  # what the resumed run is compared with: the steps and validations so far
+            (args.out / f"trained_rank{rank}.json").write_text(json.dumps(model.trained))
+            (args.out / f"validated_rank{rank}.json").write_text(json.dumps(model.validated))
         raise
     (args.out / f"trained_rank{rank}.json").write_text(json.dumps(model.trained))
     (args.out / f"validated_rank{rank}.json").write_text(json.dumps(model.validated))
