@@ -1,5 +1,6 @@
 """The benchmark runs at its smallest size on the shim side and prints every row it promises."""
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -139,3 +140,21 @@ def test_the_data_position_benchmark_reports_both_ways_and_its_target(tmp_path):
                for row in rows)
     assert re.search(r"skip / replay: [0-9.]+ \(target ≤ 0\.01\): (met|MISSED)", output)
     assert "loaded and dropped the" not in output  # the replays' warnings are the table's, not lines of their own
+
+
+DATA_CURSOR = Path(__file__).parent.parent / "benchmarks" / "data_cursor.py"
+
+
+def test_the_data_cursor_benchmark_rows_agree_with_their_figures_and_targets(tmp_path):
+    """A small epoch placed on 1 and 3 ranks: each row's share is the rest of the epoch over those ranks (the cursor)
+    or of rank 0's own share (the walk), and each verdict is what its figures and the targets make it."""
+    rows_at = tmp_path / "rows.json"
+    _run([sys.executable, str(DATA_CURSOR), "--size", "20000", "--ranks", "1,3", "--repeats", "1", "--json", rows_at])
+    rows = json.loads(rows_at.read_text())
+    assert [(row["ranks"], row["way"]) for row in rows] == [(1, "cursor"), (1, "walk"), (3, "cursor"), (3, "walk")]
+    rest, per_rank = 20000 - 20000 * 9 // 10 // 16 * 16, 10000 - 20000 * 9 // 10 // 16 * 8
+    assert [row["share"] for row in rows] == [rest, per_rank, -(-rest // 3), per_rank]
+    for row in rows:
+        met = row["seconds"] <= 1.0 and row["mb"] <= 100
+        assert row["verdict"] == ({True: "met", False: "MISSED"}[met] if row["way"] == "cursor" else "-"), row
+        assert row["seconds"] > 0 and row["seconds_spread"] >= 0 and row["mb_spread"] >= 0
