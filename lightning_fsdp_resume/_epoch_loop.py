@@ -12,7 +12,7 @@ from . import _data_cursor, _data_position, _rank_states, _ranks
 
 log = logging.getLogger(__name__)
 ENTRY = "data_position"  # the checkpoint's entry: every rank's position and the run's data cursor
-_LEGACY = "lightning_fsdp_resume_data_position"  # where releases before 0.10 kept the positions: in the loop's state
+_LEGACY = "lightning_fsdp_resume_data_position"  # where earlier releases kept the positions: in the loop's state
 _STATE = "_lightning_fsdp_resume"  # the one attribute this package keeps on Lightning's epoch loop: a _LoopState
 _STOCK_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 END, INSIDE = "end", "inside"  # where a save made during a validation was made: at its end, or inside it
@@ -149,15 +149,12 @@ def wrap_reset(original: Callable) -> Callable:
         state = _state(self)
         batches = self.batch_progress
         trained = batches.current.processed > batches.current.completed
+        if _between_accumulation_steps(self, max(batches.current.processed, batches.current.completed)):
+            state.stock, state.pending, state.end_of_batch, state.validation = True, None, False, None
+            return original(self)  # Lightning's own resume: that batch is trained again
         if trained:
             batches.current.completed = batches.current.processed
             batches.total.completed = batches.total.processed
-        if _between_accumulation_steps(self):
-            if trained:  # Lightning's own resume trains that batch again
-                batches.current.completed -= 1
-                batches.total.completed -= 1
-            state.stock, state.pending, state.end_of_batch, state.validation = True, None, False, None
-            return original(self)
         with _quiet(_STOCK_WARNING):
             original(self)
         saved = state.pending
@@ -306,16 +303,17 @@ def _resume_from_cursor(self: Any, original: Callable, data_fetcher: Any, loader
     number of ranks; the epoch ends when every rank has trained its share (all take the same number of steps)."""
     trainer, state = self.trainer, _state(self)
     cursor, batches = saved["cursor"], saved["batches"]
-    loader = loaders[0] if len(loaders) == 1 else None
-    found = _data_cursor.identity(loader) if loader is not None else None
-    problem = _data_cursor.mismatch(cursor, found) if loader is not None else f"there are {len(loaders)} train dataloaders"
-    if problem or loader is None:
+    problem: Optional[str] = f"there are {len(loaders)} train dataloaders"
+    name = "several"
+    if len(loaders) == 1:
+        problem, name = _data_cursor.mismatch(cursor, _data_cursor.identity(loaders[0])), type(loaders[0]).__name__
+    if problem:
         raise ValueError(
             f"The checkpoint was taken inside epoch {saved['epoch']} by {saved['saved_by']} ranks, whose place in the"
             f" data is kept as a position in the epoch's order, and is resumed on {trainer.world_size} ranks, but the"
-            f" train dataloader ({type(loader).__name__ if loader is not None else 'several'}) cannot be placed there:"
-            f" {problem}. Resume with the data the run was trained on."
+            f" train dataloader ({name}) cannot be placed there: {problem}. Resume with the data the run was trained on."
         )
+    loader = loaders[0]
     rank = trainer.global_rank
     placed = _data_cursor.place(cursor, rank, trainer.world_size, batches)
     state.segment, state.start = placed.segment, _data_position.epoch_start(loaders)
@@ -386,11 +384,12 @@ def _inside_epoch(self: Any) -> bool:
     return 0 < done and done != self.trainer.num_training_batches
 
 
-def _between_accumulation_steps(self: Any) -> bool:
-    """Saved between two optimizer steps of ``accumulate_grad_batches``: the gradients accumulated since the last step
-    are in no checkpoint, so no resume goes on exactly from it; Lightning's own resume runs it, and rank 0 says so."""
+def _between_accumulation_steps(self: Any, done: int) -> bool:
+    """Saved after ``done`` batches, between two optimizer steps of ``accumulate_grad_batches``: the gradients
+    accumulated since the last step are in no checkpoint, so no resume goes on exactly from it; Lightning's own resume
+    runs it, and rank 0 says so."""
     trainer = self.trainer
-    done, every = self.batch_progress.current.completed, trainer.accumulate_grad_batches
+    every = trainer.accumulate_grad_batches
     if not (every > 1 and done % every and done != trainer.num_training_batches):
         return False
     if trainer.global_rank == 0:

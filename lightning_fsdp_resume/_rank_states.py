@@ -112,13 +112,11 @@ def restore_buffers(states: Any, module: Any, where: str = "The checkpoint") -> 
     if saved != world_size and rank == 0:
         import warnings
 
-        if saved > world_size:
-            what = f"ranks 0 to {world_size - 1} get their own random number generator states and rank-local buffers back"
-        else:
-            what = (f"ranks 0 to {saved - 1} get their own random number generator states and rank-local buffers back;"
-                    f" ranks {saved} to {world_size - 1} keep the random states this run gave them and rank 0's buffers")
-        warnings.warn(f"{where} was saved by {saved or 'an unknown number of'} ranks and is resumed on {world_size}: "
-                      + (what if saved else "each rank's random number generator states and buffers are not restored"))
+        what = (f"ranks 0 to {min(saved, world_size) - 1} get their own random number generator states and rank-local"
+                " buffers back" if saved else "each rank's random number generator states and buffers are not restored")
+        if 0 < saved < world_size:
+            what += f"; ranks {saved} to {world_size - 1} keep the random states this run gave them and rank 0's buffers"
+        warnings.warn(f"{where} was saved by {saved or 'an unknown number of'} ranks and is resumed on {world_size}: {what}")
     if rank >= saved:
         return False
     if module is not None:
