@@ -62,7 +62,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 def loader(kind: str, workers: int, augment: bool, persistent: bool = False, size: int = SAMPLES,
-           sampler_drop_last: bool = False, loader_drop_last: bool = False):
+           sampler_drop_last: bool = False, loader_drop_last: bool = False, shuffle: bool = True):
     if kind == "pair":  # two loaders, which Lightning combines (max_size_cycle): the shorter one starts again
         small = torch.utils.data.Subset(Samples(augment), range(20))
         return {"a": loader("shuffle", workers, augment), "b": torch.utils.data.DataLoader(small, batch_size=4, shuffle=True)}
@@ -79,7 +79,7 @@ def loader(kind: str, workers: int, augment: bool, persistent: bool = False, siz
         return torch.utils.data.DataLoader(dataset, sampler=sampler, **kwargs)
     if kind == "user-distributed":  # the user's own DistributedSampler, which Lightning keeps (and sets the epoch of)
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=int(os.environ["WORLD_SIZE"]),
-                                                      rank=int(os.environ["RANK"]), shuffle=True, seed=3,
+                                                      rank=int(os.environ["RANK"]), shuffle=shuffle, seed=3,
                                                       drop_last=sampler_drop_last)
         return torch.utils.data.DataLoader(dataset, sampler=sampler, **kwargs)
     if kind == "stateful":  # a loader that says where it is: torchdata's
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=SAMPLES, help="the dataset's size")
     parser.add_argument("--sampler-drop-last", action="store_true", help="DistributedSampler(drop_last=True)")
     parser.add_argument("--loader-drop-last", action="store_true", help="DataLoader(drop_last=True)")
-    parser.add_argument("--no-shuffle", action="store_true", help="the user's DistributedSampler, not shuffling")
+    parser.add_argument("--no-shuffle", action="store_true", help="user-distributed without shuffling (Lightning shuffles training data)")
     parser.add_argument("--fail-in-validation", type=int, nargs=3, metavar=("EPOCH", "STEP", "BATCH"), default=None,
                         help="raise in that validation batch (unless resuming), OnExceptionCheckpoint saving on-exception.ckpt")
     parser.add_argument("--other-rank-counts", default=None, help="set_mid_epoch_resume(other_rank_counts=...)")
@@ -196,24 +196,18 @@ def main() -> None:
     model = Net()
     model.fail_at = None if args.ckpt_path else args.fail_in_validation
     data = loader(args.data, args.workers, args.augment, args.persistent_workers, args.samples, args.sampler_drop_last,
-                  args.loader_drop_last)
-    if args.no_shuffle:  # Lightning's own DistributedSampler always shuffles training data: the user's, in order
-        sampler = torch.utils.data.DistributedSampler(data.dataset, num_replicas=int(os.environ["WORLD_SIZE"]),
-                                                      rank=int(os.environ["RANK"]), shuffle=False)
-        data = torch.utils.data.DataLoader(data.dataset, batch_size=data.batch_size, drop_last=data.drop_last, sampler=sampler)
+                  args.loader_drop_last, shuffle=not args.no_shuffle)
     val = {"val_dataloaders": loader("sequential", 0, False)} if args.val_every else {}
     try:
         trainer.fit(model, train_dataloaders=data, ckpt_path=args.ckpt_path, **val)
-    except Exception as error:
+    except Exception:
         import traceback
 
         (args.out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-        if isinstance(error, Interrupted):  # what the resumed run is compared with: the steps and validations so far
-            (args.out / f"trained_rank{rank}.json").write_text(json.dumps(model.trained))
-            (args.out / f"validated_rank{rank}.json").write_text(json.dumps(model.validated))
         raise
-    (args.out / f"trained_rank{rank}.json").write_text(json.dumps(model.trained))
-    (args.out / f"validated_rank{rank}.json").write_text(json.dumps(model.validated))
+    finally:  # after a failure too: the steps and validations so far, which a resumed run goes on from
+        (args.out / f"trained_rank{rank}.json").write_text(json.dumps(model.trained))
+        (args.out / f"validated_rank{rank}.json").write_text(json.dumps(model.validated))
     optimizers = trainer.strategy.optimizers
     states.write(args.out, "final", rank, states.local_state(trainer.model, optimizers),
                  {"global_step": trainer.global_step, "epoch": trainer.current_epoch})
