@@ -26,8 +26,7 @@ import pytest
 
 from lightning_fsdp_resume import _loading
 from lightning_fsdp_resume._storage import checked, open_path
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
-from support.marks import needs_cpu_fsdp
+from support.marks import needs_cpu_fsdp, skip_without_optimizer_state
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, worker
 from support.states import assert_identical, load
 
@@ -48,12 +47,6 @@ def checkpointed(tmp_path_factory):
         return root
 
     return run
-
-
-def _skip_without_optimizer_state(use_orig_params: int) -> None:
-    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
-    if not supported:
-        pytest.skip(why)
 
 
 def _unwrapped(record: dict) -> dict:
@@ -98,7 +91,7 @@ def _wrapped(names) -> list:
 def test_checkpoints_carry_no_wrapper_names(reference, checkpointed, state_dict_type, use_orig_params):
     """A checkpoint written with activation checkpointing names everything as one written without: a sharded
     one's index (``.metadata``) lists the same keys, a full file holds the same weights and optimizer state."""
-    _skip_without_optimizer_state(use_orig_params)
+    skip_without_optimizer_state(use_orig_params)
     plain, wrapped = reference(state_dict_type, use_orig_params), checkpointed(state_dict_type, use_orig_params)
     assert _wrapped_layers(wrapped / "out", "epoch1") and not _wrapped_layers(plain / "out", "epoch1")
     _assert_same_states(plain / "out", "epoch1", wrapped / "out", "epoch1")  # the same training
@@ -124,7 +117,7 @@ def test_checkpoints_carry_no_wrapper_names(reference, checkpointed, state_dict_
 def test_resume_across_activation_checkpointing(reference, checkpointed, tmp_path, state_dict_type, use_orig_params, saved_with):
     """Resumed in new processes from the checkpoint after epoch 1 with activation checkpointing switched the
     other way, the restored and final states are the writing run's, bit for bit."""
-    _skip_without_optimizer_state(use_orig_params)
+    skip_without_optimizer_state(use_orig_params)
     writer = (checkpointed if saved_with else reference)(state_dict_type, use_orig_params)
     switched = [] if saved_with else [ACTIVATION_CHECKPOINTING]
     worker(tmp_path, *config(tmp_path, state_dict_type, use_orig_params), "--max-epochs", EPOCHS,

@@ -17,13 +17,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from lightning_fsdp_resume import _consolidate, _versions, _whole_read
+from lightning_fsdp_resume import _consolidate, _whole_read
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._consolidate import consolidate
 from lightning_fsdp_resume._storage import checked, open_path
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, disable_cpu_fsdp, enable_cpu_fsdp
-from support.flavours import FABRIC_UNDER_TEST, NATIVE, VERSION
-from support.marks import long_runs, needs_consolidate, needs_cpu_fsdp, skip_as
+from lightning_fsdp_resume.testing import disable_cpu_fsdp, enable_cpu_fsdp
+from support.flavours import FABRIC_UNDER_TEST, NATIVE, PATCH, VERSION, mode_of
+from support.marks import long_runs, needs_consolidate, needs_cpu_fsdp, skip_as, skip_without_optimizer_state
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, worker
 from support.states import assert_identical, assert_ranks_identical, differences, load
 
@@ -137,9 +137,7 @@ def test_importing_it_imports_neither_torch_nor_lightning():
 
 def _consolidated(reference, tmp_path: Path, use_orig_params: int, optimizers: int = 1, wrap: str = "policy", **options):
     """The sharded run's checkpoint after epoch 1, consolidated (with ``options``); the run's directory and the file."""
-    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
-    if not supported:
-        pytest.skip(why)
+    skip_without_optimizer_state(use_orig_params)
     root = reference("sharded", use_orig_params, optimizers, wrap)
     dst = tmp_path / "full.ckpt"
     consolidate(root / "ckpt" / MID, dst, progress=False, **options)
@@ -340,11 +338,9 @@ def fabric_run(request, process_group, tmp_path_factory):
     One process: FSDP over a one-rank gloo group (torch then shards nothing, NO_SHARD; the 2-rank test below
     has real shards). enable_cpu_fsdp() stays on for the module's tests, which load into new Fabrics."""
     skip_as(needs_cpu_fsdp, needs_consolidate)
-    supported, why = cpu_optimizer_state_supported(bool(request.param))
-    if not supported:
-        pytest.skip(why)
+    skip_without_optimizer_state(request.param)
     version = _fabric_namespace().__version__
-    if request.param and _versions.decide(version)[0] == _versions.PATCH:
+    if request.param and mode_of(version) == PATCH:
         pytest.skip(f"Fabric {version} refuses optimizers of use_orig_params=True modules in setup_optimizers")
     environ = dict(os.environ)  # Fabric's launch sets MASTER_PORT, WORLD_SIZE, ... for its children
     enable_cpu_fsdp()

@@ -11,9 +11,8 @@ import torch
 from lightning_fsdp_resume import _saving, _shard_views, _whole_read
 from lightning_fsdp_resume import _torch_compat as compat
 from lightning_fsdp_resume._storage import checked, open_path
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import NATIVE
-from support.marks import needs_cpu_fsdp
+from support.marks import needs_cpu_fsdp, skip_without_optimizer_state
 from support.ranks import EPOCHS, config, fabric_config, fabric_worker, worker
 from support.states import assert_identical, assert_ranks_identical
 
@@ -51,9 +50,7 @@ def _assert_same_reading(from_shards, fsdps, entries):
 @pytest.mark.multirank
 @pytest.mark.parametrize("use_orig_params, wrap, net", [(0, "root", "buffered"), (1, "policy", "net")])
 def test_a_trainer_save_from_the_shards_reads_back_as_fsdps_builder_writes_it(tmp_path, use_orig_params, wrap, net):
-    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
-    if not supported:
-        pytest.skip(why)
+    skip_without_optimizer_state(use_orig_params)
     runs = {}
     for builder, flags in (("shards", []), ("fsdp", ["--fsdp-builder"])):
         root = runs[builder] = tmp_path / builder

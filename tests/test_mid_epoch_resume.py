@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.flavours import NATIVE, VERSION
-from support.marks import needs_cpu_fsdp, raising, skip_as
+from support.marks import needs_cpu_fsdp, raising, require, skip_as
 from support.ranks import mid_epoch_worker
 from support.states import assert_ranks_identical, info
 
@@ -149,7 +149,7 @@ def test_gradient_accumulation_resumes_at_its_steps_and_as_lightning_does_betwee
 def test_a_loader_that_says_where_it_is_resumes_exactly(tmp_path, nproc, mode):
     """torchdata's ``StatefulDataLoader``: on 2 ranks (Lightning's DistributedSampler) its trained batches are left out
     by index; in one process with ``replay``, it is restored from the state it saved."""
-    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is installed where its tests run")
+    require("torchdata", "torchdata.stateful_dataloader")
     if nproc:
         skip_as(needs_cpu_fsdp)
     output = _resumes_exactly(tmp_path, ["--data", "stateful", "--mode", mode], at_steps=[4], nproc=nproc,

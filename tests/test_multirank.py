@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import NATIVE, VERSION
-from support.marks import needs_cpu_fsdp, raising
+from support.marks import needs_cpu_fsdp, raising, skip_without_optimizer_state
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, worker
 from support.states import DIFFER, assert_identical, assert_ranks_identical, clean, differences, info, load
 
@@ -21,9 +20,7 @@ pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 def _resume_matches_uninterrupted(reference, tmp_path: Path, key) -> Path:
     """Resume ``key``'s checkpoint after epoch 1 in new processes; restored and final states must be
     bit-identical to the uninterrupted run's. Returns the resumed run's directory."""
-    supported, why = cpu_optimizer_state_supported(bool(key[1]))
-    if not supported:
-        pytest.skip(why)
+    skip_without_optimizer_state(key[1])
     ref = reference(*key)
     worker(tmp_path, *config(tmp_path, *key), "--max-epochs", EPOCHS, "--ckpt-path", ref / "ckpt" / MID)
     assert_ranks_identical(ref / "out", "epoch1", tmp_path / "out", "start")
@@ -73,9 +70,7 @@ def test_every_rank_resumes_its_own_buffers_and_random_state(tmp_path, state_dic
     every rank's weights, buffers and optimizer state after the resume equal the uninterrupted run's. With the root
     unit alone, the buffers are the root unit's, beside its one flat parameter."""
     use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
-    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
-    if not supported:
-        pytest.skip(why)
+    skip_without_optimizer_state(use_orig_params)
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
     worker(ref, *config(ref, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net)
     worker(resumed, *config(resumed, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net,

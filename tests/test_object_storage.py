@@ -162,11 +162,12 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
     """torch 2.0 has no fsspec storage for torch.distributed.checkpoint: the refusal names the release and what works."""
     import sys
 
+    import torch.distributed.checkpoint as dcp
+
     from lightning_fsdp_resume import _torch_compat as compat
     from lightning_fsdp_resume._storage import checked
     from lightning_fsdp_resume._storage import open_path as location
 
-    dcp = pytest.importorskip("torch.distributed.checkpoint")
     monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint._fsspec_filesystem", None)  # as if torch had none
     monkeypatch.delattr(dcp, "_fsspec_filesystem", raising=False)
     release = ".".join(map(str, compat.torch_release()))

@@ -3,9 +3,8 @@ rank each on the loopback interface.
 """
 import pytest
 
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import NATIVE
-from support.marks import long_runs, needs_cpu_fsdp
+from support.marks import long_runs, needs_cpu_fsdp, skip_without_optimizer_state
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, nodes, worker
 from support.states import assert_identical, assert_ranks_identical, info, load
 
@@ -20,9 +19,7 @@ def test_checkpoint_from_two_ranks_resumes_on_other_world_sizes(reference, tmp_p
     """Right after loading, the gathered weights and optimizer state equal the 2-rank run's at the checkpoint;
     each rank that saved gets its own RNG states and buffers back, a new rank keeps its own, and one warning says so."""
     use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
-    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
-    if not supported:
-        pytest.skip(why)
+    skip_without_optimizer_state(use_orig_params)
     ref = reference(state_dict_type, use_orig_params, wrap=wrap)
     output = worker(tmp_path, *config(tmp_path, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS,
                     "--ckpt-path", ref / "ckpt" / MID, nproc=ranks)

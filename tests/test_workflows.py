@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from lightning_fsdp_resume import DISABLE_ENV
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import NATIVE
-from support.marks import TORCH, needs_cpu_fsdp
+from support.marks import TORCH, needs_cpu_fsdp, skip_without_optimizer_state
 from support.ranks import FULL_USE_ORIG_PARAMS, MID, config, worker
 from support.states import assert_identical, assert_ranks_identical, load
 from support.workflows import expected
@@ -48,9 +47,7 @@ _runs = {}
 def _sequence(tmp_path_factory, name: str, state_dict_type: str, use_orig_params: int, wrap: str = "policy") -> Path:
     """The run of one sequence in one configuration (once per session): its --out directory. ``fit`` validates
     every epoch, as a ``ModelCheckpoint`` that monitors a validation metric needs."""
-    supported, why = cpu_optimizer_state_supported(bool(use_orig_params))
-    if not supported:
-        pytest.skip(why)
+    skip_without_optimizer_state(use_orig_params)
     key = (name, state_dict_type, use_orig_params, wrap)
     if key not in _runs:
         root = tmp_path_factory.mktemp(f"sequence-{name.replace(' ', '-')}-{state_dict_type}-{use_orig_params}-{wrap}")

@@ -1,5 +1,5 @@
-"""The Lightning packages under test, read from what is installed and their releases: never from the package under
-test, so that a fault in its version logic cannot turn tests into skips (``test_activation`` holds the two to agree).
+"""The Lightning packages and the torch under test, read from what is installed and their releases: never from the
+package under test, so that a fault in its version logic cannot turn tests into skips (``test_activation`` holds the two to agree).
 
 Of each kind, the Trainer's and Fabric's, the rank programs run the first installed flavour in ``FLAVOURS``'s
 order: ``lightning``'s namespace (``lightning.pytorch``, ``lightning.fabric``) where ``lightning`` is installed,
@@ -48,6 +48,18 @@ def _installed(flavour: Flavour) -> Optional[str]:
 def mode_of(version: str) -> Optional[str]:
     """What the shim is to do with a Lightning release: PATCH (2.0.x), NATIVE_MODE (2.1 and newer), or None."""
     return {(2, 0): PATCH}.get(release(version), NATIVE_MODE if release(version) >= (2, 1) else None)
+
+
+# Read from torch itself, never from the package under test: a fault there must fail tests, not skip them.
+TORCH = release(metadata.version("torch"))
+# torch 2.2 alone gathers the optimizer state of a use_orig_params=True module (full or sharded) through torch.cuda
+# calls, which fail on the CPU: the tests that need that state, and the rank programs' dumps of it, leave it out there.
+ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU = TORCH != (2, 2)
+
+
+def optimizer_state_on_cpu(use_orig_params) -> bool:
+    """Whether this torch gathers the optimizer state of CPU FSDP ranks made with ``use_orig_params``."""
+    return ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU or not use_orig_params
 
 
 INSTALLED = {p: v for p, v in ((p, _installed(f)) for p, f in FLAVOURS.items()) if v}

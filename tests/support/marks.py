@@ -1,19 +1,58 @@
 """The skip marks that test modules share, each with the one reason it gives wherever it skips."""
+import importlib
 import os
 import re
-from importlib import metadata
 from typing import Callable, Type
 
 import pytest
 
-from support.flavours import PATCHABLE_FABRICS, PATCHABLE_TRAINERS, release
+from support.flavours import ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU, PATCHABLE_FABRICS, PATCHABLE_TRAINERS, TORCH, optimizer_state_on_cpu
 
-# Read from torch itself, never from the package under test: a fault there must fail tests, not skip them.
-TORCH = release(metadata.version("torch"))
 # Every test that runs FSDP ranks on the CPU (the multirank ones): gloo cannot serve FSDP before torch 2.2.
 needs_cpu_fsdp = pytest.mark.skipif(
     TORCH < (2, 2), reason=f"torch {'.'.join(map(str, TORCH))} cannot run FSDP on CPU: gloo lacks _allgather_base before torch 2.2"
 )
+
+needs_orig_params_optimizer_state = pytest.mark.skipif(
+    not ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU,
+    reason="torch 2.2 gathers optimizer state with use_orig_params=True through torch.cuda calls, which fail without a GPU",
+)
+
+
+def skip_without_optimizer_state(use_orig_params) -> None:
+    """In a test or fixture parametrized by ``use_orig_params``: skip where this torch cannot gather its optimizer state."""
+    if not optimizer_state_on_cpu(use_orig_params):
+        skip_as(needs_orig_params_optimizer_state)
+
+
+# Packages that tox installs for some environments only. Where tox installs a group of them it sets
+# LIGHTNING_FSDP_RESUME_INSTALLED_<GROUP>=1 (tox.ini's setenv), and a test that needs one fails there when it does not
+# import; elsewhere the test is skipped.
+S3_PACKAGES = ("moto", "s3fs", "boto3", "flask")
+
+
+def installed_by_tox(group: str) -> bool:
+    """Whether tox installed ``group`` (``"s3"``, ``"torchdata"``) for this environment."""
+    return os.environ.get(f"LIGHTNING_FSDP_RESUME_INSTALLED_{group.upper()}") == "1"
+
+
+def importable(group: str, *modules: str) -> bool:
+    """Whether ``modules`` import; where tox installed ``group``, one that does not import raises (fails the test)."""
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ImportError:
+        if installed_by_tox(group):
+            raise
+        return False
+    return True
+
+
+def require(group: str, *modules: str) -> None:
+    """In a test: import ``modules``, skipping where tox does not install ``group`` and they are missing."""
+    if not importable(group, *modules):
+        pytest.skip(f"needs {', '.join(modules)}: tox installs them where it sets LIGHTNING_FSDP_RESUME_INSTALLED_{group.upper()}=1")
+
 
 # Saves in the background (AsyncCheckpointIO, Fabric's) write through torch DCP's async_save.
 needs_async_save = pytest.mark.skipif(TORCH < (2, 3), reason="torch < 2.3 has no dcp.async_save")

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 import lightning_fsdp_resume  # noqa: F401  (the one-line activation under test)
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported, enable_cpu_fsdp, leave_process_group
+from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
 
 if __name__ == "__main__":  # run as a script (torchrun, `python tests/support/trainer_worker.py`): `support` is in tests/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import models, states  # noqa: E402
 from support.faults import cut_network, fail_write, keep_gathered_copies, kill_during_saves, trace_saves  # noqa: E402
-from support.flavours import TRAINER_UNDER_TEST  # noqa: E402
+from support.flavours import TRAINER_UNDER_TEST, optimizer_state_on_cpu  # noqa: E402
 from support.s3 import configure, directory  # noqa: E402
 
 L = TRAINER_UNDER_TEST.module()  # lightning.pytorch where lightning is installed, else pytorch_lightning
@@ -181,7 +181,7 @@ class Recorder(Callback):
         full = {"params": full_weights(trainer), "optim": None}
         # the optimizer state is left out where torch cannot gather it on the CPU (torch 2.2, use_orig_params)
         use_orig_params = getattr(trainer.strategy, "kwargs", {}).get("use_orig_params", False)
-        if cpu_optimizer_state_supported(use_orig_params)[0]:
+        if optimizer_state_on_cpu(use_orig_params):
             full["optim"] = [full_optimizer_state(trainer, o) for o in trainer.strategy.optimizers]
         info = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "optimizers": len(local["optim"])}
         states.write(self.out, name, rank, local, info, full)
@@ -202,7 +202,7 @@ class Recorder(Callback):
         if not isinstance(strategy, FSDPStrategy):
             return
         counts = {"model": len(strategy.lightning_module_state_dict())}
-        if cpu_optimizer_state_supported(strategy.kwargs.get("use_orig_params", False))[0]:
+        if optimizer_state_on_cpu(strategy.kwargs.get("use_orig_params", False)):
             counts["optimizers"] = [len(strategy.optimizer_state(o)) for o in strategy.optimizers]
         (self.out / f"saved_entries_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
