@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # named by MANIFEST.in or setuptools' defaults; tests/conftest.py is the file setuptools' defaults leave out
 SDIST_FILES = ("README.md", "LICENSE", "CONTRIBUTING.md", "tox.ini", "toxfile.py", "setup.cfg", "pyproject.toml", "tests/conftest.py")
 # grafted whole by MANIFEST.in (tests/ with support/): each must reach the sdist with every file it has here
-SDIST_TREES = ("docs", "tests", "tests/support", "benchmarks", ".ci")
+SDIST_TREES = ("docs", "tests", "tests/support", "benchmarks", ".ci", ".ci/outcomes")
 # where the README's relative links point (docs/, CONTRIBUTING.md) and where to report a problem
 PROJECT_URLS = ("Documentation", "Source", "Issues")
 

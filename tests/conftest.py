@@ -72,15 +72,11 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server on 127.0.0.1 (support/s3.py), for the session; this process's fsspec is
-    configured for it, as a user configures theirs. Needs the test extra: moto[server], s3fs, boto3. Where tox installs
-    them (it sets LIGHTNING_FSDP_RESUME_S3=1), one that does not import fails the tests instead of skipping them."""
-    import importlib
+    configured for it, as a user configures theirs. Needs the test extra: moto[server], s3fs, boto3, flask. Where tox
+    installs them, one that does not import fails the tests instead of skipping them (support/marks.py)."""
+    from support.marks import S3_PACKAGES, require
 
-    for package in ("moto", "s3fs", "boto3", "flask"):
-        if os.environ.get("LIGHTNING_FSDP_RESUME_S3") == "1":
-            importlib.import_module(package)
-        else:
-            pytest.importorskip(package, reason="the object-storage tests need moto[server], s3fs and boto3 (tox installs them)")
+    require("s3", *S3_PACKAGES)
     import fsspec.config
 
     from support.s3 import S3Server
@@ -104,34 +100,52 @@ def bucket(s3_server, request):
     return f"s3://{name}"
 
 
-def _reasons(reports, reason_of) -> dict:
-    counts: dict = {}
-    for report in reports:
-        reason = str(reason_of(report))
-        reason = reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
-        counts[reason] = counts.get(reason, 0) + 1
-    return counts
+# The distributions whose releases make a cell of the matrix (.ci/cells.json), read from what is installed
+CELL_DISTRIBUTIONS = ("lightning", "pytorch-lightning", "lightning-fabric", "torch", "wrapt")
+# pytest's categories, in the order in which a later one overrides an earlier one for a test id (a test that passed
+# and then failed in its teardown is an error)
+OUTCOMES = ("passed", "skipped", "xfailed", "xpassed", "failed", "error")
+
+
+def _outcome(category: str, report) -> str:
+    """A test's outcome as the gate compares it: its category, with the reason of a skip or an expected failure."""
+    if category == "skipped":
+        reason = str(report.longrepr[2])
+        return "skipped: " + (reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason)
+    if category == "xfailed":
+        return f"xfailed: {report.wasxfail}"
+    return category
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Where tox asks for it, write this run's versions, shim modes and counts for the matrix table."""
+    """Where tox asks for it, write this run's releases, the shim's modes and every test id's outcome, for the gate
+    (.ci/gate.py)."""
     target = os.environ.get(RESULTS_ENV)
     if not target:
         return
-    import torch
+    import platform
+    from importlib import metadata
 
     import lightning_fsdp_resume as shim
     from lightning_fsdp_resume._versions import import_installed_flavours
 
     import_installed_flavours()  # so that status() reports what a training script would get
-    stats = terminalreporter.stats
+    installed = {}
+    for distribution in CELL_DISTRIBUTIONS:
+        try:
+            installed[distribution] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    outcomes = {}
+    for category in OUTCOMES:
+        for report in terminalreporter.stats.get(category, []):
+            outcomes[report.nodeid] = _outcome(category, report)
     record = {
-        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "installed": installed,
         "lightning": {p: [s.version, s.mode] for p, s in shim.status().items() if s.version},
-        **{key: len(stats.get(key, [])) for key in ("passed", "skipped", "failed", "error", "deselected", "xfailed")},
-        # each skip's and expected failure's reason, with how many tests gave it: the matrix table lists them
-        "skip_reasons": _reasons(stats.get("skipped", []), lambda report: report.longrepr[2]),
-        "xfail_reasons": _reasons(stats.get("xfailed", []), lambda report: report.wasxfail),
+        "deselected": len(terminalreporter.stats.get("deselected", [])),
+        "outcomes": outcomes,
     }
     Path(target).parent.mkdir(parents=True, exist_ok=True)
-    Path(target).write_text(json.dumps(record))
+    Path(target).write_text(json.dumps(record, indent=1, sort_keys=True))

@@ -33,7 +33,7 @@ def _anchors(path):
 
 
 def test_the_matrix_table_lists_exactly_the_environments_tox_runs():
-    envlist = [e for e in _tox()["tox"]["envlist"].split() if e != "summary"]
+    envlist = _tox()["tox"]["envlist"].split()
     listed = _matrix_environments()
     assert sorted(listed) == sorted(envlist), (set(envlist) ^ set(listed))
     assert len(listed) == len(set(listed))
@@ -57,8 +57,27 @@ def test_the_readme_opens_with_the_demo_and_the_test_command_ci_runs():
     block = head[head.index("```bash") + 1:]
     demo, tests = block[0].split("#")[0].strip(), block[1].split("#")[0].strip()
     assert demo.endswith("lightning-fsdp-resume demo") and ".[demo]" in demo
-    ci_command = (ROOT / ".ci" / "run").read_text().strip().split("\n")[-1]
-    assert tests == ci_command
+    assert tests == "bash .ci/run"
+
+
+def test_ci_runs_the_gate_after_tox_whatever_tox_runs():
+    """The gate is no tox environment that a change to env_list could leave out: .ci/run runs it after tox, on a
+    results folder emptied first, and fails when either fails."""
+    lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert lines.index("rm -rf .tox/results") < lines.index(".venv/bin/tox") < lines.index(".venv/bin/python .ci/gate.py .tox/results")
+    assert lines[-1] == "exit $((matrix != 0 || gate != 0))"
+    assert not any("gate" in env for env in _tox()["tox"]["envlist"].split())
+
+
+def test_the_readme_promises_the_cells_the_gate_checks():
+    """README's table of tested releases is rendered from .ci/cells.json, which the gate fails on where one did not run."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gate", ROOT / ".ci" / "gate.py")
+    gate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gate)
+    assert gate.markdown(json.loads((ROOT / ".ci" / "cells.json").read_text())) in (ROOT / "README.md").read_text()
 
 
 @pytest.mark.parametrize("document", DOCUMENTS)
