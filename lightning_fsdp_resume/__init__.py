@@ -1,6 +1,7 @@
 """Sharded FSDP checkpoints and resume for Lightning 2.0.x, as Lightning 2.1 does them (2.1+ is left untouched).
 Importing it patches the Trainer's and Fabric's FSDP checkpointing, now or when Lightning is imported, importing neither
-torch nor Lightning; ``LIGHTNING_FSDP_RESUME_DISABLE=1`` skips that. ``patch()``, ``unpatch()``, ``status()``: README.
+torch nor Lightning; ``LIGHTNING_FSDP_RESUME_DISABLE=1`` skips that. ``patch()``, ``unpatch()``, ``status()``:
+docs/compatibility.md.
 """
 import os
 import sys

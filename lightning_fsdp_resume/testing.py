@@ -1,6 +1,6 @@
 """Run Lightning's ``FSDPStrategy`` on the CPU, for tests in CI without GPUs: ``enable_cpu_fsdp()`` lets the Trainer and
 Fabric run FSDP with ``accelerator="cpu"`` (over gloo), in this process, until ``disable_cpu_fsdp()``; a plain import
-never applies it. How to launch, and limits: the README's "Testing FSDP checkpointing on the CPU".
+never applies it. How to launch, and limits: "Testing FSDP checkpointing on the CPU" in docs/compatibility.md.
 """
 import importlib
 from typing import Any, Callable, Iterator, Tuple

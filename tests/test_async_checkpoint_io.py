@@ -52,7 +52,7 @@ def test_saves_with_async_checkpoint_io_are_complete_when_published(tmp_path, pr
         trainer.fit(trained, train_dataloaders=data())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=2.ckpt"]
     # the sharded one through the shim's reader; the full file as it is (Lightning 2.0.x's own reader of full files
-    # trips over torch >= 2.6's weights_only default, README: Limitations)
+    # trips over torch >= 2.6's weights_only default, docs/safety.md)
     checkpoint = tmp_path / "epoch=2.ckpt"
     loaded = read_whole(open_path(checkpoint, "load")) if kind == "sharded" else torch.load(checkpoint, weights_only=False)
     loaded = loaded["state_dict"]

@@ -1,5 +1,6 @@
 """The documents tell the truth about the repository: CONTRIBUTING.md's matrix table is the tox matrix, the
-README opens with the commands CI runs, and every relative link leads to a file and heading that exist."""
+README opens with the commands CI runs and stays one page whose table leads to docs/, and every relative link leads
+to a file and heading that exist."""
 import configparser
 import re
 import sys
@@ -24,6 +25,11 @@ def _matrix_environments():
 
 def _without_code_blocks(text):
     return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def _prose(text):
+    """A Markdown document's prose: its code blocks and its tables' rows left out."""
+    return "\n".join(line for line in _without_code_blocks(text).splitlines() if not line.lstrip().startswith("|"))
 
 
 def _anchors(path):
@@ -94,11 +100,28 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(document):
             assert anchor in _anchors(target_path), f"{document}: {link}: no such heading"
 
 
-def test_the_readme_workflow_table_is_the_one_the_workflow_tests_check():
-    """The table is rendered from support/workflows.py, whose expected failures (strict) the matrix checks."""
+def test_the_readme_is_one_page_in_the_order_of_its_sections():
+    """At most 1,500 words of prose (code blocks and tables left out): what it is, the demo behind the first command,
+    install, quick start, one table of what you get (each row leading to the page of docs/ that holds its detail),
+    short limitations, links; the rest lives in docs/."""
+    text = (ROOT / "README.md").read_text()
+    words = len(_prose(text).split())
+    assert words <= 1500, f"README.md has {words} words of prose"
+    headings = re.findall(r"^## (.+)$", _without_code_blocks(text), flags=re.M)
+    assert headings == ["Who needs it", "See it work", "Install", "Quick start", "What you get", "Limitations", "More"]
+    table = text.split("## What you get", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| feature |")]
+    assert rows and all(re.search(r"\]\(docs/[a-z]+\.md(#[\w-]+)?\) \|$", row) for row in rows), "a row leads to no page of docs/"
+    pages = {re.search(r"\]\(docs/([a-z]+\.md)", row).group(1) for row in rows}
+    assert pages == {p.name for p in (ROOT / "docs").glob("*.md")}, "a page of docs/ that no row of the table leads to"
+
+
+def test_the_workflow_table_is_the_one_the_workflow_tests_check():
+    """The table of docs/resuming.md is rendered from support/workflows.py, whose expected failures (strict) the
+    matrix checks."""
     from support.workflows import markdown
 
-    assert markdown() in (ROOT / "README.md").read_text()
+    assert markdown() in (ROOT / "docs" / "resuming.md").read_text()
 
 
 def test_the_benchmark_documents_quote_the_targets_the_benchmarks_check():

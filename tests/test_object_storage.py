@@ -115,7 +115,7 @@ def test_a_sharded_url_checkpoint_reads_with_load_from_checkpoint_and_consolidat
 @needs_cpu_fsdp
 @needs_patched_trainer
 def test_a_url_checkpoint_reads_without_the_package_and_an_uploaded_directory_reads_as_it_is(memory, process_group, tmp_path):
-    """The README's way to read a sharded checkpoint at a URL without this package (follow the pointer, copy the
+    """docs/saving.md's way to read a sharded checkpoint at a URL without this package (follow the pointer, copy the
     prefix), and the other way round: a sharded directory uploaded as it is reads at its URL."""
     import torch
 

@@ -2,7 +2,7 @@
 
 In the same processes after ``fit``: evaluate with the weights a checkpoint names, save after evaluating,
 fit on. In one process without FSDP: read a sharded checkpoint wherever Lightning reads a full one. Each test
-is one row of the README's table (``support/workflows.py``); where the Lightning under test fails a row, its
+is one row of the table in docs/resuming.md (``support/workflows.py``); where the Lightning under test fails a row, its
 test is an expected failure, strict, so the table cannot go stale.
 """
 import re
@@ -330,7 +330,7 @@ def test_fabric_without_fsdp_loads_a_sharded_directory(fabric_reference, workflo
     pytest.param("full", "configure_sharded_model_full", marks=expected("configure_sharded_model_full")),
 ])
 def test_load_from_checkpoint_builds_the_hooks_layers_first(tmp_path, monkeypatch, state_dict_type, workflow):
-    # Lightning 2.0.x reads a full file with torch.load's default, weights_only since torch 2.6 (README: Limitations)
+    # Lightning 2.0.x reads a full file with torch.load's default, weights_only since torch 2.6 (docs/safety.md)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
     worker(tmp_path, *config(tmp_path, state_dict_type, use_orig_params), "--net", "built", "--max-epochs", 1)

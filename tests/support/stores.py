@@ -1,7 +1,7 @@
 """Where a test's checkpoints are, and what it asks of that place, whether a local directory or a bucket: the
 names a user sees, whether one exists, and a hash of everything a checkpoint consists of.
 
-A checkpoint at a URL is read here as the README tells a user to read one without the package: a small JSON
+A checkpoint at a URL is read here as docs/saving.md tells a user to read one without the package: a small JSON
 pointer whose ``data`` names the sibling prefix that holds the sharded directory, or an ordinary file.
 """
 import hashlib
@@ -73,7 +73,7 @@ class S3Store:
         return hashes
 
     def download(self, name: str, into: Path) -> Path:
-        """The checkpoint ``name`` as a local path, read as the README says, without the package."""
+        """The checkpoint ``name`` as a local path, read as docs/saving.md says, without the package."""
         data = self.pointed(name)
         if data is None:
             self.fs.get(f"{self.path}/{name}", str(into))

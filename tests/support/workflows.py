@@ -1,10 +1,11 @@
 """The workflows around ``fit`` that users run with FSDP checkpoints, and what each Lightning does with them.
 
-One table serves the tests and the README: each workflow's test is an expected failure (strict) where this table
-says the Lightning under test fails it, and it must fail with one of the errors the table names there (a crashed
-rank, a timeout or a harness error fails the test), so a cell that goes stale fails the matrix; the README's table
-is rendered from it (``markdown``) and ``tests/test_docs.py`` checks that they agree. Columns: stock Lightning 2.0.9
-(the shim turned off), native 2.1.4, the newest native release the matrix installs, and Lightning 2.0.x with the shim.
+One table serves the tests and the documentation: each workflow's test is an expected failure (strict) where this
+table says the Lightning under test fails it, and it must fail with one of the errors the table names there (a crashed
+rank, a timeout or a harness error fails the test), so a cell that goes stale fails the matrix; the table in
+docs/resuming.md is rendered from it (``markdown``) and ``tests/test_docs.py`` checks that they agree. Columns: stock
+Lightning 2.0.9 (the shim turned off), native 2.1.4, the newest native release the matrix installs, and Lightning 2.0.x
+with the shim.
 """
 import re
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -21,7 +22,7 @@ PASS, FAIL = "passes", "fails"
 
 
 class Fails(NamedTuple):
-    """How a Lightning fails a row: the README's words, and the errors its test must see there, each a pattern of the
+    """How a Lightning fails a row: the table's words, and the errors its test must see there, each a pattern of the
     error's ``Type: message`` as a rank's step reports it, a rank's last traceback line reads or this process raises
     it; ``weights``: or a step runs, with other weights than the checkpoint's."""
 
@@ -70,7 +71,7 @@ IN_THE_HOOK = "units wrapped in the hook"
 
 
 class Workflow(NamedTuple):
-    what: str  # the README's row
+    what: str  # the table's row
     fails: Dict[str, Optional[Fails]]  # column -> how it fails there (missing: it passes; None: does not apply)
     wrapping: str = BOTH_WRAPPINGS  # how FSDP wrapped the model where the row runs
 
@@ -152,7 +153,7 @@ def _cell(workflow: Workflow, column: str) -> str:
 
 
 def markdown() -> str:
-    """The README's table."""
+    """The table of docs/resuming.md (its section on the workflows after ``fit``)."""
     lines = ["| workflow | FSDP wrapping | " + " | ".join(COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
     for workflow in WORKFLOWS.values():
         cells = [_cell(workflow, c) for c in COLUMNS]
