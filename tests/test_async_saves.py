@@ -4,6 +4,7 @@
 The workers log each step of their saves (``support.faults.trace_saves``) and start every write late, so that
 training goes on while a save writes: a checkpoint that held a later step's state, a removal before its
 replacement is in place, or a save that did not wait for the one before it shows in the checkpoints and the log.
+A write in the background is held until its save has returned: a save that waits for its write logs its return last.
 """
 import re
 from pathlib import Path
@@ -65,7 +66,8 @@ def test_each_save_returns_before_it_is_written_and_the_next_one_waits_for_it(tm
     _async_run(tmp_path, "sharded")
     for rank in (0, 1):
         saves = _saves(tmp_path, rank)
-        # returned before its write started, which started before the next save was called
+        # returned while its write was held (the write is logged once its save has returned, or after HOLD_S where the
+        # save waits for it): a save that wrote in the foreground or waited for its write logs its return after it
         for epoch in range(EPOCHS):
             name = f"epoch={epoch}.ckpt"
             assert saves.index(f"save-returned {name}") < saves.index("write", saves.index(f"save-called {name}")), saves

@@ -1,6 +1,9 @@
 """The command line: demo, status, and the demo's verdict."""
+import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -22,6 +25,50 @@ def _demo_lightning_is_patched(kind=TRAINER):
     return under_test is not None and under_test.mode == PATCH
 
 
+def _losses(run: Path) -> dict:
+    """The loss of each step a demo run recorded (rank 0's ``losses.jsonl``); none where it left no record."""
+    path = run / "losses.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
+
+
+def _weights(run: Path, epoch: int) -> dict:
+    """What a demo run recorded at the end of ``epoch``: its ``step`` and the full weights (``params``)."""
+    return torch.load(run / f"weights_epoch{epoch}.pt", weights_only=True)
+
+
+def _against_reference(workdir: Path, prefix: str, stop_after: int, epochs: int) -> Tuple[int, List[str]]:
+    """The step the demo's ``{prefix}interrupted`` run stopped at, and how ``{prefix}resumed`` differs from the
+    reference run by the records both wrote (nothing: exact): the loss of every step after that one, none missing
+    and none more, and the step and weights at the end of every epoch from ``stop_after`` on, bit for bit."""
+    reference, resumed = workdir / "reference", workdir / f"{prefix}resumed"
+    stopped_at = _weights(workdir / f"{prefix}interrupted", stop_after - 1)["step"]
+    expected = {step: loss for step, loss in _losses(reference).items() if step > stopped_at}
+    losses = _losses(resumed)
+    differing = sorted(step for step in expected.keys() | losses.keys() if losses.get(step) != expected.get(step))
+    differences = [f"the losses of steps {differing} ({len(expected)} in the reference)"] if differing or not expected else []
+    for epoch in range(stop_after, epochs):
+        if not (resumed / f"weights_epoch{epoch}.pt").is_file():
+            differences.append(f"no weights at the end of epoch {epoch}")
+            continue
+        mine, theirs = _weights(resumed, epoch), _weights(reference, epoch)
+        same = mine["params"].keys() == theirs["params"].keys() and all(
+            torch.equal(value, theirs["params"][name]) for name, value in mine["params"].items())
+        if not same or mine["step"] != theirs["step"]:
+            differences.append(f"the weights at the end of epoch {epoch} (step {mine['step']}, the reference's {theirs['step']})")
+    return stopped_at, differences
+
+
+def _assert_the_shim_resumed_exactly(result, workdir: Path, stop_after: int, epochs: int, label: str = "") -> None:
+    """By the runs' records, the shim's resumed run is the reference run from the resume on; the demo's verdict (after
+    ``label``) and exit status say so."""
+    stopped_at, differences = _against_reference(workdir, "", stop_after, epochs)
+    assert not differences, differences
+    verdict = (f"{label}PASS: resumed from epoch {stop_after}, every loss from step {stopped_at + 1} on and every weight"
+               " equal bit for bit.")
+    assert verdict in result.stdout.splitlines() and result.returncode == 0, result.stdout
+
+
 @pytest.mark.multirank
 @long_runs
 @needs_cpu_fsdp
@@ -31,7 +78,7 @@ def test_demo_fabric_resumes_bit_exactly_through_fabric_save_and_load(tmp_path):
     result = cli("demo", "--fabric", "--epochs", "3", "--stop-after", "1", "--hidden", "8", "--workdir", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[3/3] resumed run" in result.stdout and "(sharded)" in result.stdout
-    assert "PASS: resumed from epoch 1, every loss from step 17 on" in result.stdout
+    _assert_the_shim_resumed_exactly(result, tmp_path, 1, 3)
     meta = torch.load(tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt" / "meta.pt", weights_only=False)
     assert set(meta) == {"scheduler", "epoch", "step"}  # model and optimizer are in the shards
     assert (meta["epoch"], meta["step"], meta["scheduler"]["last_epoch"]) == (1, 16, 1)
@@ -50,9 +97,10 @@ def test_demo_fabric_compare_stock_shows_stock_fabric_failing_and_the_shim_exact
     assert any("stock Fabric 2.0" in line and "lightning_fsdp_resume" in line for line in lines), result.stdout
     row = next(line.split() for line in lines if line.split()[:1] == ["1"])
     assert "resume failed: RuntimeError" in " ".join(row) and row[-1] == "0", result.stdout
+    assert _against_reference(tmp_path, "stock-", 1, 2)[1], "stock Fabric's resumed run is the reference run"
     assert any(line.startswith("stock Fabric 2.0") and "FAIL: resume failed: RuntimeError: Error(s) in loading state_dict"
                in line for line in lines), result.stdout
-    assert "lightning_fsdp_resume: PASS: resumed from epoch 1" in result.stdout
+    _assert_the_shim_resumed_exactly(result, tmp_path, 1, 2, "lightning_fsdp_resume: ")
     assert (tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt").is_file()  # --state-dict-type full: one file
 
 
@@ -72,8 +120,9 @@ def test_demo_compare_stock_shows_stock_lightning_wrong_and_the_shim_exact(tmp_p
     stock_failed = "resume failed:" in " ".join(row)
     assert stock_failed or float(row[4]) != 0.0, result.stdout
     assert row[-1] == "0", result.stdout  # the shim's largest difference
-    assert "lightning_fsdp_resume: PASS: resumed from epoch 1" in result.stdout
+    assert _against_reference(tmp_path, "stock-", 1, 2)[1], "stock Lightning's resumed run is the reference run"
     assert any(line.startswith("stock Lightning 2.0") and ": FAIL: " in line for line in lines), result.stdout
+    _assert_the_shim_resumed_exactly(result, tmp_path, 1, 2, "lightning_fsdp_resume: ")
     assert (tmp_path / "interrupted" / "ckpt" / "epoch=0.ckpt" / "meta.pt").is_file()
 
 

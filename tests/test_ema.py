@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from support.marks import TORCH, needs_async_save, needs_cpu_fsdp, needs_patched_trainer
+from support.marks import TORCH, needs_async_save, needs_cpu_fsdp, needs_orig_params_optimizer_state, needs_patched_trainer
 from support.ranks import ema_worker
 
 pytestmark = [pytest.mark.multirank, needs_cpu_fsdp, needs_patched_trainer]
@@ -99,13 +100,8 @@ def test_a_run_resumed_inside_an_epoch_ends_with_the_same_average_bit_for_bit(re
     _resumed_as(root, tmp_path, final=True)
 
 
-# torch 2.2 gathers the full optimizer state of use_orig_params=True through torch.cuda calls
-CUDA_ONLY_FULL_STATE = pytest.mark.skipif(TORCH[:2] == (2, 2), reason="torch 2.2 gathers optimizer state with"
-                                          " use_orig_params=True through torch.cuda calls, which fail without a GPU")
-
-
 @pytest.mark.parametrize("use_orig_params, wrap", [pytest.param(0, "policy", id="flat-policy"),
-                                                   pytest.param(1, "root", id="orig-root", marks=CUDA_ONLY_FULL_STATE)])
+                                                   pytest.param(1, "root", id="orig-root", marks=needs_orig_params_optimizer_state)])
 def test_a_full_checkpoint_carries_the_average_and_a_resume_from_it_ends_with_it_bit_for_bit(
         reference_runs, tmp_path, use_orig_params, wrap):
     root = reference_runs(use_orig_params, wrap)
@@ -200,8 +196,8 @@ def test_a_resume_restores_each_ranks_average_of_its_buffers_bit_for_bit(buffere
         source = tmp_path / "full"
         _run(source, "--net", "buffered", "--state-dict-type", "full", "--epochs", 1, "--reference", 0)
         written = torch.load(source / "ckpt" / "epoch=0.ckpt", weights_only=False)["ema_state_dict"]
-        _identical(_buffers(buffered_run, 0, 0)["seen"], {n: written[n] for n in _buffers(buffered_run, 0, 0)["seen"]},
-                   "the full file's average of the buffers: rank 0's")
+        _identical({**_load(buffered_run / "out" / "seen_e0.pt"), **_buffers(buffered_run, 0, 0)["seen"]}, written,
+                   "the full file's average: of the weights, and of rank 0's buffers")
     resumed = tmp_path / "resumed"
     _run(resumed, "--net", "buffered", "--state-dict-type", kind, "--ckpt-dir", source / "ckpt",
          "--resume", "epoch=0.ckpt", "--reference", 0)
@@ -249,12 +245,15 @@ def mixed_run(tmp_path_factory):
 
 @NEEDS_CPU_MIXED_PRECISION
 def test_under_mixed_precision_the_average_follows_the_float32_shards(mixed_run, reference_runs, tmp_path):
-    """Not the bfloat16 copies FSDP computes with: the average of the gathered float32 weights, to fp32 rounding; and
-    the run ends with the weights of the same run without the average, bit for bit."""
+    """Not the bfloat16 copies FSDP computes with: the average of the gathered float32 weights, kept in float32 (as the
+    checkpoints store it: what validation sees is gathered from the float32 shards whatever the average is kept in), to
+    fp32 rounding; and the run ends with the weights of the same run without the average, bit for bit."""
     out = mixed_run / "ema" / "out"
     for epoch in range(2):
         seen, reference = _load(out / f"seen_e{epoch}.pt"), _load(out / f"reference_e{epoch}.pt")
-        assert all(value.dtype == torch.float32 for value in seen.values())
+        stored = dcp.FileSystemReader(str(mixed_run / "ema" / "ckpt" / f"epoch={epoch}.ckpt")).read_metadata().state_dict_metadata
+        kept = {key: entry.properties.dtype for key, entry in stored.items() if key.startswith("ema.")}
+        assert kept == {f"ema.{name}": torch.float32 for name in reference}, f"epoch {epoch}: the average as saved, {kept}"
         for name in reference:
             torch.testing.assert_close(seen[name], reference[name], rtol=1e-6, atol=1e-7, msg=f"epoch {epoch}: {name}")
     full_precision = _load(reference_runs(0, "policy") / "ema" / "out" / "training_e1.pt")["after"]

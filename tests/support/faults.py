@@ -6,6 +6,8 @@ import signal
 import socket
 import sys
 
+HOLD_S = 30  # trace_saves: the longest a write in the background is held for its save to return
+
 
 def sigkill() -> None:
     sys.stdout.flush()
@@ -112,11 +114,15 @@ def kill_during_saves(strategy, point: str, rank: int, save: int, fault=sigkill)
 
 def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
     """Append each step of this rank's saves to ``log``, in the order they happen, and start every write ``delay``
-    seconds late (so that training goes on while a save in the background writes): ``save-called NAME`` and
+    seconds late (so that training goes on while a save in the background writes); a write in another thread than
+    the one that called the save (in the background) is held, before it is logged, until that save has returned (at
+    most ``HOLD_S``: a save that waits for its write in the background returns only after it, as does one that writes
+    in the foreground). Called from the thread that saves. The steps: ``save-called NAME`` and
     ``save-returned NAME`` (the strategy's ``save_checkpoint``), ``write`` (a rank's shards or rank 0's full file),
     ``publish NAME`` (the checkpoint is in place), ``remove NAME`` (one that ModelCheckpoint no longer keeps) and
     ``host-buffer prepared`` / ``host-buffer at-save`` (host memory a save in the background copies into, made ahead
     of the saves or by one) and ``process-group made`` (a new one: the background threads')."""
+    import threading
     import time
     from pathlib import Path
 
@@ -126,14 +132,19 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
     from lightning_fsdp_resume import _background
     from lightning_fsdp_resume._storage import _local
 
+    saving = threading.get_ident()  # the thread that calls the saves
+    returned = threading.Semaphore(0)  # released as each save returns; a write in the background takes its save's
+
     def note(line: str) -> None:
         with open(log, "a") as handle:
             handle.write(line + "\n")
 
-    def traced(owner, name, before=None, after=None, slow=False):
+    def traced(owner, name, before=None, after=None, slow=False, then=None):
         original = getattr(owner, name)
 
         def wrapped(*args, **kwargs):
+            if slow and threading.get_ident() != saving:
+                returned.acquire(timeout=HOLD_S)
             if before:
                 note(before(*args, **kwargs))
             if slow:
@@ -141,6 +152,8 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
             result = original(*args, **kwargs)
             if after:
                 note(after(*args, **kwargs))
+            if then:
+                then()
             return result
 
         setattr(owner, name, wrapped)
@@ -149,7 +162,7 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
         return Path(kwargs["path"] if "path" in kwargs else args[1]).name
 
     traced(strategy, "save_checkpoint", before=lambda *a, **k: f"save-called {target(*a, **k)}",
-           after=lambda *a, **k: f"save-returned {target(*a, **k)}")
+           after=lambda *a, **k: f"save-returned {target(*a, **k)}", then=returned.release)
     traced(fs.FileSystemWriter, "write_data", before=lambda *_: "write", slow=True)
     traced(_local, "write_file", before=lambda *_: "write", slow=True)
     traced(_local, "publish", after=lambda partial, path: f"publish {Path(path).name}")
