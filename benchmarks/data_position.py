@@ -3,21 +3,24 @@
 dataset) against loading them and dropping them (``"replay"``, and every loader without indices), through the same
 code a resumed Trainer runs (``_data_position.reposition``). One process, no Trainer: the figure is the data's alone.
 
-    python benchmarks/data_position.py [--batches 10000] [--at 0.9] [--repeats 5]
+    python benchmarks/data_position.py [--batches 10000] [--at 0.9] [--repeats 5] [--json PATH]
 
 Prints, for each way, the median time over the repeats with its spread, and the ratio the target is set on:
 leaving out by index costs at most 1 % of loading the batches it leaves out.
 """
 import argparse
+import json
 import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from lightning_fsdp_resume import _data_position
+from resume_benchmark import cells_table
 
 TARGET = 0.01  # index-level skipping / loading the skipped batches
 
@@ -53,18 +56,25 @@ def measure(batches: int, at: int, repeats: int) -> Dict[str, List[float]]:
     return {mode: [position_once(mode, batches, at) for _ in range(repeats)] for mode in ("skip", "replay")}
 
 
-def report(times: Dict[str, List[float]], batches: int, at: int) -> str:
-    skip, replay = (statistics.median(times[mode]) for mode in ("skip", "replay"))
-    ratio = skip / replay
-    lines = [
-        f"An epoch of {batches} batches resumed after {at} ({at / batches:.0%}), medians of {len(times['skip'])} repeats",
-        "| way | median | spread (min–max) |",
-        "|---|---|---|",
-    ]
-    for mode, name in (("skip", "left out by index (skip)"), ("replay", "loaded and dropped (replay)")):
-        lines.append(f"| {name} | {statistics.median(times[mode]):.4f} s | {min(times[mode]):.4f}–{max(times[mode]):.4f} s |")
-    lines.append(f"skip / replay: {ratio:.4f} (target ≤ {TARGET}): {'met' if ratio <= TARGET else 'MISSED'}")
-    return "\n".join(lines)
+WAYS = (("skip", "left out by index (skip)"), ("replay", "loaded and dropped (replay)"))
+
+
+def records(times: Dict[str, List[float]]) -> Dict:
+    """Each way's times with the cells of its row (``ways``), and the ratio of their medians against the target."""
+    ways = [{"cells": {"way": name, "median": f"{statistics.median(times[mode]):.4f} s",
+                       "spread (min–max)": f"{min(times[mode]):.4f}–{max(times[mode]):.4f} s"}, "mode": mode, "times": times[mode]}
+            for mode, name in WAYS]
+    ratio = statistics.median(times["skip"]) / statistics.median(times["replay"])
+    return {"ways": ways, "ratio": ratio, "limit": TARGET, "verdict": "met" if ratio <= TARGET else "MISSED"}
+
+
+def report(record: Dict, batches: int, at: int) -> str:
+    """The table and the ratio's line, printed from the records (``records``)."""
+    return "\n".join([
+        f"An epoch of {batches} batches resumed after {at} ({at / batches:.0%}), medians of {len(record['ways'][0]['times'])} repeats",
+        cells_table(record["ways"]),
+        f"skip / replay: {record['ratio']:.4f} (target ≤ {record['limit']}): {record['verdict']}",
+    ])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -72,12 +82,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batches", type=int, default=10_000, help="batches in the epoch (default 10000)")
     parser.add_argument("--at", type=float, default=0.9, help="the share of the epoch trained before the save (default 0.9)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each way (default 5, at least 3)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the records behind the report here")
     args = parser.parse_args(argv)
     if args.repeats < 3:
         parser.error("--repeats: at least 3, for a median and its spread")
     at = int(args.batches * args.at)
     logging.getLogger("lightning_fsdp_resume").setLevel(logging.ERROR)  # each replay's warning: the table says it
-    print(report(measure(args.batches, at, args.repeats), args.batches, at))
+    record = records(measure(args.batches, at, args.repeats))
+    print(report(record, args.batches, at))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=1, ensure_ascii=False), encoding="utf-8")
     return 0
 
 

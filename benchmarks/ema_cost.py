@@ -1,12 +1,13 @@
 """What ``ShardedEMA`` costs a training step: its update of the average on each rank's shards against the optimizer
 step it follows (Adam), and the memory the average takes against one float32 shard, on FSDP ranks on the CPU.
 
-    python benchmarks/ema_cost.py [--ranks 2] [--sizes 0.4,1.6] [--repeats 5] [--steps 5]
+    python benchmarks/ema_cost.py [--ranks 2] [--sizes 0.4,1.6] [--repeats 5] [--steps 5] [--json PATH]
 
 ``--sizes``: GB of training state (weights and Adam's two states, float32) over all ranks: a model of square layers
 wrapped one FSDP unit each. Each repeat times ``--steps`` optimizer steps and as many updates on every rank (the
 slowest rank counts); printed are the medians over the repeats with their spread, and the ratios the targets are set
-on: an update ≤ 10 % of the optimizer step, the average's memory ≤ 1.05 × one float32 shard.
+on: an update ≤ 10 % of the optimizer step, the average's memory ≤ 1.05 × one float32 shard. ``--json``: the records
+behind the table too, each rank's figures among them.
 """
 import argparse
 import json
@@ -18,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from resume_benchmark import cells_table
 
 UPDATE_TARGET = 0.10  # update / optimizer step
 MEMORY_TARGET = 1.05  # the average's resident memory / one float32 shard
@@ -86,20 +89,29 @@ def _spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values) * 1e3:.1f} ms ({min(values) * 1e3:.1f}–{max(values) * 1e3:.1f})"
 
 
-def report(results: List[Dict], ranks: int) -> str:
-    lines = [f"ShardedEMA's cost on {ranks} CPU ranks (medians over the repeats, spread in brackets; slowest rank)",
-             "| state | layers | optimizer step | EMA update | update / step | average's memory / fp32 shard |",
-             "|---|---|---|---|---|---|"]
+def records(results: List[Dict]) -> List[Dict]:
+    """A record per size: its ranks' records, the slowest rank's times of each repeat, the ratios the targets are set on
+    and the verdict, with the cells of its row."""
+    rows = []
     for result in results:
-        records = result["records"]
-        steps = [max(r["steps"][i] for r in records) for i in range(len(records[0]["steps"]))]
-        updates = [max(r["updates"][i] for r in records) for i in range(len(records[0]["updates"]))]
+        ranks = result["records"]
+        steps = [max(r["steps"][i] for r in ranks) for i in range(len(ranks[0]["steps"]))]
+        updates = [max(r["updates"][i] for r in ranks) for i in range(len(ranks[0]["updates"]))]
         ratio = statistics.median(updates) / statistics.median(steps)
-        memory = max(r["grown"] / r["shard_bytes"] for r in records)
+        memory = max(r["grown"] / r["shard_bytes"] for r in ranks)
         verdict = "met" if ratio <= UPDATE_TARGET and memory <= MEMORY_TARGET else "missed"
-        lines.append(f"| {result['size']} GB | {records[0]['layers']} | {_spread(steps)} | {_spread(updates)} | {ratio:.3f}"
-                     f" (≤ {UPDATE_TARGET}) | {memory:.3f} (≤ {MEMORY_TARGET}) {verdict} |")
-    return "\n".join(lines)
+        cells = {"state": f"{result['size']} GB", "layers": str(ranks[0]["layers"]), "optimizer step": _spread(steps),
+                 "EMA update": _spread(updates), "update / step": f"{ratio:.3f} (≤ {UPDATE_TARGET})",
+                 "average's memory / fp32 shard": f"{memory:.3f} (≤ {MEMORY_TARGET}) {verdict}"}
+        rows.append({"cells": cells, "size": result["size"], "ranks": ranks, "steps": steps, "updates": updates, "ratio": ratio,
+                     "update limit": UPDATE_TARGET, "memory": memory, "memory limit": MEMORY_TARGET, "verdict": verdict})
+    return rows
+
+
+def report(rows: List[Dict], ranks: int) -> str:
+    """The table, printed from the records (``records``)."""
+    return (f"ShardedEMA's cost on {ranks} CPU ranks (medians over the repeats, spread in brackets; slowest rank)\n"
+            + cells_table(rows))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -108,6 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sizes", default="0.4,1.6", help="GB of training state, comma-separated (default 0.4,1.6)")
     parser.add_argument("--repeats", type=int, default=5, help="at least 3 (default 5)")
     parser.add_argument("--steps", type=int, default=5, help="steps and updates timed in each repeat (default 5)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the records behind the table here")
     parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -117,8 +130,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.repeats < 3:
         parser.error("--repeats: at least 3, for a median and its spread")
-    results = [measure(float(size), args.ranks, args.repeats, args.steps) for size in args.sizes.split(",")]
-    print(report(results, args.ranks))
+    rows = records([measure(float(size), args.ranks, args.repeats, args.steps) for size in args.sizes.split(",")])
+    print(report(rows, args.ranks))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
     return 0
 
 

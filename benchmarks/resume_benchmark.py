@@ -22,6 +22,8 @@ native's and the disk's raw I/O, the targets at each size, a fitted line and wha
 ``--remote`` also saves and resumes each kind to an S3-compatible server it starts on 127.0.0.1 (moto's, as
 the tests do; needs the [s3] extra and moto), against the same on the local disk and against copying the
 same bytes to and from the server with s3fs.
+``--json PATH`` also writes the records behind every table it prints: each row's cells beside the figures they are
+made of, and each target's value, limit and verdict.
 
 Exits 1 when a run fails or the shim import pulls in torch or Lightning; missed targets are reported
 in the tables, not in the exit status.
@@ -47,6 +49,7 @@ NATIVE_PYTHON_ENV = "LIGHTNING_FSDP_RESUME_NATIVE_PYTHON"
 RANKS = 2
 PHASES = ("save", "resume")
 KINDS = ("sharded", "full")
+PHASE_KINDS = tuple((phase, kind) for phase in PHASES for kind in KINDS)
 ASYNC = "async save"  # the shim's sharded save with AsyncCheckpointIO, measured until the checkpoint is in place
 # its first save comes after this many steps, and the rank program waits for the host buffers made after the first
 # one before it times it, as a run's first save after many steps finds them made (how long it waited is printed)
@@ -248,7 +251,7 @@ class Figures:
         self.stall_again = statistics.median(again) if again else None  # a later save's, its buffers kept
         beyond = [beyond_copy(records) for records in repeats if records[0].get("copy_alone") is not None]
         self.beyond_copy = statistics.median(beyond) if beyond else None  # of the later stall, what is not the copy
-        self.beyond_copy_spread = (min(beyond), max(beyond)) if beyond else None
+        self.beyond_copies = beyond  # each repeat's
         waits = [max(record.get("waited_for_buffers", 0.0) for record in records) for records in repeats]
         self.waited_for_buffers = statistics.median(waits)  # before the first save's clock: its buffers still being made
         self.shard = [statistics.median(records[rank].get("shard_bytes", 0) for records in repeats) for rank in range(RANKS)]
@@ -285,120 +288,172 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(figures: Dict[Tuple[str, str, str], Figures], imports: Dict, args: argparse.Namespace,
-           raw: Optional[Dict[str, List[Dict]]] = None) -> str:
+def cells_table(records: Sequence[Dict[str, Any]]) -> str:
+    """The markdown table of ``records``, a row each: their ``cells``, whose keys are the columns."""
+    return table(list(records[0]["cells"]), [list(record["cells"].values()) for record in records])
+
+
+# The records behind the tables (``--json``) hold, beside each row's printed ``cells``, the figures they are made of. A
+# target's record also holds its ``value``, which is its ``formula`` of the figures ``of`` (tests/test_benchmark.py
+# recomputes each): "ratio" a / b, "added" a / b - 1, "difference" a - b, "worst" the largest, "median", "count" the length of
+# a list, "over" the largest of each rank's growth less its allowance (growth, shard, shards, allowance).
+
+
+def judged(cells: Dict[str, str], value: Optional[float], limit: float, formula: str, of: Sequence[Any] = (),
+           strict: bool = False, state: Optional[float] = None) -> Dict[str, Any]:
+    """A checked figure's record, its verdict in ``cells["met"]``: ``value`` against ``limit`` (``<`` where ``strict``,
+    else ``≤``); not measured without a value, nor at a ``state`` below the size a target is set for, where given."""
+    measured = value is not None and (state is None or state >= RAW_TARGET_MIN_STATE)
+    met = (value < limit if strict else value <= limit) if measured else None
+    gated = {} if state is None else {"state": state, "from state": RAW_TARGET_MIN_STATE}
+    return {"cells": {**cells, "met": _verdict(met)}, "value": value, "limit": limit, "strict": strict, "formula": formula,
+            "of": list(of), **gated}
+
+
+def _target(name: str, figure: str, limit: str) -> Dict[str, str]:
+    return {"target": name, "figure": figure, "limit": limit}
+
+
+def _ratio_target(name: str, of: Sequence[float], limit: float, limit_text: str, figure: str = "",
+                  state: Optional[float] = None) -> Dict[str, Any]:
+    """A target on the ratio of ``of`` (none without figures), shown with ``figure`` after it."""
+    ratio = _ratio(*of) if of else None
+    return judged(_target(name, _show(ratio) + figure, limit_text), ratio, limit, "ratio", of, state=state)
+
+
+def _below(value: Optional[float], state: float) -> str:
+    """What a figure adds where the state is below the size its target is set for."""
+    return "" if value is None or state >= RAW_TARGET_MIN_STATE else f" (state {_mb(state)} MB: below the size it is set for)"
+
+
+def _figures_record(phase: str, kind: str, side: str, f: Figures) -> Dict[str, Any]:
+    stall = f"; stall {f.stall:.3f}" if phase == ASYNC and f.stall is not None else ""
+    stall += f", then {f.stall_again:.3f}" if phase == ASYNC and f.stall_again is not None else ""
+    growth = {f"rank {rank} peak growth MB (range)": f"{_mb(g)} ({_mb(lo)}–{_mb(hi)})"
+              for rank, (g, (lo, hi)) in enumerate(zip(f.growth, f.growth_spread))}
+    cells = {"phase": phase, "kind": kind, "side": side, "Lightning": f"{f.lightning} {f.mode}", "time s": f"{f.time:.3f}{stall}",
+             "time range s": f"{min(f.times):.3f}–{max(f.times):.3f}", **growth}
+    return {"cells": cells, "phase": phase, "kind": kind, "side": side, **vars(f)}
+
+
+def run_records(figures: Dict[Tuple[str, str, str], Any], imports: Dict, args: argparse.Namespace,
+                raw: Optional[Dict[str, List[Dict]]] = None) -> Dict[str, Any]:
+    """The records behind a run's tables: its figures, shim/native, the raw I/O, what checksums cost, the targets."""
     sides = [side for side in ("shim", "native") if ("save", "sharded", side) in figures]
-    any_figures = figures[("save", "sharded", "shim")]
-    lines = [
-        f"{RANKS} ranks, CPU (gloo), torch {any_figures.torch}, {os.cpu_count()} CPU cores; model {args.layers} layers"
-        f" × width {args.width}, full state {_mb(any_figures.full_state)} MB (parameters + Adam moments);"
-        f" use_orig_params={bool(args.use_orig_params)}; median of {args.repeats} repeats.",
-        "",
-    ]
-    rows = []
-    for phase, kind, side in [(phase, kind, side) for phase in PHASES for kind in KINDS for side in sides] + [(ASYNC, "sharded", "shim")]:
-        f = figures[(phase, kind, side)]
-        growth = [f"{_mb(g)} ({_mb(lo)}–{_mb(hi)})" for g, (lo, hi) in zip(f.growth, f.growth_spread)]
-        stall = f"; stall {f.stall:.3f}" if phase == ASYNC and f.stall is not None else ""
-        stall += f", then {f.stall_again:.3f}" if phase == ASYNC and f.stall_again is not None else ""
-        rows.append([phase, kind, side, f"{f.lightning} {f.mode}", f"{f.time:.3f}{stall}",
-                     f"{min(f.times):.3f}–{max(f.times):.3f}", *growth])
-    lines.append(table(["phase", "kind", "side", "Lightning", "time s", "time range s",
-                        *(f"rank {r} peak growth MB (range)" for r in range(RANKS))], rows))
-    lines += ["", f"{ASYNC}: the shim's sharded save with AsyncCheckpointIO, timed until the checkpoint is in place;"
-              " its stall is how long the save call blocked the training loop, then that of a second save in the same"
-              " processes."]
-
-    ratios = {}
-    if "native" in sides:
-        rows = []
-        for phase in PHASES:
-            for kind in KINDS:
-                shim, native = figures[(phase, kind, "shim")], figures[(phase, kind, "native")]
-                ratios[(phase, kind)] = (_ratio(shim.time, native.time), _ratio(shim.worst_growth, native.worst_growth))
-                rows.append([phase, kind, *(_show(r) for r in ratios[(phase, kind)])])
-        lines += ["", table(["phase", "kind", "time shim/native", "peak growth shim/native (worst rank)"], rows)]
-
-    raw_ratios: Dict[Tuple[str, str], Optional[float]] = {}
-    if raw:
-        rows = []
-        for phase in PHASES:
-            for kind in KINDS:
-                medium = "write" if phase == "save" else "read"
-                raw_time = statistics.median(r[medium] for r in raw[kind])
-                shim_time = figures[(phase, kind, "shim")].time
-                raw_ratios[(phase, kind)] = _ratio(shim_time, raw_time)
-                rows.append([phase, kind, _mb(statistics.median(r["bytes"] for r in raw[kind])), f"{shim_time:.3f}",
-                             f"{raw_time:.3f} ({'write + fsync' if phase == 'save' else 'cold read'})",
-                             _show(raw_ratios[(phase, kind)])])
-        lines += ["", "Against the disk itself: the same number of bytes as the shim's checkpoint, written and fsynced,"
-                  " or read cold, in the same run (a resume reads a checkpoint just written, from the page cache).", "",
-                  table(["phase", "kind", "checkpoint MB", "shim s", "raw I/O s", "shim/raw"], rows)]
-
-    costs = {}
-    rows = []
+    records: Dict[str, Any] = {"imports": imports, "raw I/O": raw or {}}
+    keys = [(phase, kind, side) for phase in PHASES for kind in KINDS for side in sides] + [(ASYNC, "sharded", "shim")]
+    records["figures"] = [_figures_record(*key, figures[key]) for key in keys]
+    records["native"] = []
+    for phase, kind in PHASE_KINDS if "native" in sides else ():
+        shim, native = figures[(phase, kind, "shim")], figures[(phase, kind, "native")]
+        time, growth = [shim.time, native.time], [shim.worst_growth, native.worst_growth]
+        cells = {"phase": phase, "kind": kind, "time shim/native": _show(_ratio(*time)),
+                 "peak growth shim/native (worst rank)": _show(_ratio(*growth))}
+        records["native"].append({"cells": cells, "phase": phase, "kind": kind, "time": time, "growth": growth})
+    records["raw"] = []
+    for phase, kind in PHASE_KINDS if raw else ():
+        medium = "write" if phase == "save" else "read"
+        raw_time, shim_time = statistics.median(r[medium] for r in raw[kind]), figures[(phase, kind, "shim")].time
+        size = statistics.median(r["bytes"] for r in raw[kind])
+        cells = {"phase": phase, "kind": kind, "checkpoint MB": _mb(size), "shim s": f"{shim_time:.3f}",
+                 "raw I/O s": f"{raw_time:.3f} ({'write + fsync' if phase == 'save' else 'cold read'})",
+                 "shim/raw": _show(_ratio(shim_time, raw_time))}
+        records["raw"].append({"cells": cells, "phase": phase, "kind": kind, "bytes": size, "shim": shim_time, "raw": raw_time})
+    records["checksums"] = []
     for phase, kind in CHECKSUM_PHASES:
         with_sums, without = figures[(phase, kind, "shim")].time, figures[(phase, kind, UNCHECKED)].time
-        costs[(phase, kind)] = with_sums / without - 1 if without > 0 else None
-        rows.append([phase, kind, f"{with_sums:.3f}", f"{without:.3f}", _percent(costs[(phase, kind)])])
-    verify_figures = raw_verify(figures, raw)
-    verified = verify_figures[0] if verify_figures else None
-    lines += ["", f"Checksums: the shim against itself with them switched off ({UNCHECKED}, in the same run); and"
-              " `verify` of the sharded checkpoint read cold, against a cold read of as many bytes.", "",
-              table(["phase", "kind", "shim s", f"{UNCHECKED} s", "cost"], rows)]
-    if verified is not None:
-        lines += ["", f"verify: {_mb(verified['bytes'])} MB in {verified['seconds']:.3f} s"
-                  f" ({verified['bytes'] / MB / max(verified['seconds'], 1e-9):.0f} MB/s); cold read of as many bytes"
-                  f" {verified['raw']:.3f} s."]
+        cells = {"phase": phase, "kind": kind, "shim s": f"{with_sums:.3f}", f"{UNCHECKED} s": f"{without:.3f}",
+                 "cost": _percent(_cost(with_sums, without))}
+        records["checksums"].append({"cells": cells, "phase": phase, "kind": kind, "with": with_sums, "without": without})
+    records["verify"] = raw_verify(figures, raw)
+    records["targets"] = run_targets(figures, records, args)
+    return records
 
+
+def _cost(with_sums: float, without: float) -> Optional[float]:
+    return with_sums / without - 1 if without > 0 else None
+
+
+def run_targets(figures: Dict[Tuple[str, str, str], Any], records: Dict[str, Any], args: argparse.Namespace) -> List[Dict]:
+    """The run's targets, each a record (``judged``), from its figures and the records of its other tables."""
     sharded = figures[("resume", "sharded", "shim")]
-    allowance = sharded.full_state / RANKS + args.allowance_mb * MB
-    targets = [
-        (f"sharded resume: per-rank peak growth ≤ full state / {RANKS} + {args.allowance_mb:g} MB",
-         f"{_mb(sharded.worst_growth)} MB (worst rank)", f"≤ {_mb(allowance)} MB", sharded.worst_growth <= allowance),
-    ]
+    state = sharded.full_state
+    allowance = state / RANKS + args.allowance_mb * MB
+    targets = [judged(_target(f"sharded resume: per-rank peak growth ≤ full state / {RANKS} + {args.allowance_mb:g} MB",
+                              f"{_mb(sharded.worst_growth)} MB (worst rank)", f"≤ {_mb(allowance)} MB"),
+                      sharded.worst_growth, allowance, "worst", sharded.growth)]
     # Full save: rank 0 alone gathers and writes; every other rank keeps to its shard, as under native Lightning.
     full_save = figures[("save", "full", "shim")]
     others = max(full_save.growth[1:])
     native_save = figures.get(("save", "full", "native"))
     shown = f"{_mb(others)} MB (worst rank ≠ 0)" + (f"; native: {_mb(max(native_save.growth[1:]))} MB" if native_save else "")
-    targets.append((f"full save: peak growth of every rank but 0 ≤ full state / {RANKS} + {args.allowance_mb:g} MB",
-                    shown, f"≤ {_mb(allowance)} MB", others <= allowance))
-    for kind in KINDS:
-        ratio = ratios.get(("resume", kind), (None, None))[0]
-        targets.append((f"{kind} resume time shim/native", _show(ratio), f"≤ {RESUME_TIME_RATIO_LIMIT}",
-                        None if ratio is None else ratio <= RESUME_TIME_RATIO_LIMIT))
-    ratio = ratios.get(("save", "sharded"), (None, None))[0]
-    targets.append(("sharded save time shim/native", _show(ratio), f"≤ {NATIVE_TIME_RATIO_LIMIT['save']:g}",
-                    None if ratio is None else ratio <= NATIVE_TIME_RATIO_LIMIT["save"]))
-    memory_ratio = ratios.get(("resume", "full"), (None, None))[1]
-    targets.append(("full resume peak growth shim/native (worst rank)", _show(memory_ratio),
-                    f"≤ {FULL_RESUME_MEMORY_RATIO_LIMIT}",
-                    None if memory_ratio is None else memory_ratio <= FULL_RESUME_MEMORY_RATIO_LIMIT))
-    large = sharded.full_state >= RAW_TARGET_MIN_STATE
-    for phase in PHASES:
-        ratio = raw_ratios.get((phase, "sharded"))
-        figure = _show(ratio) + ("" if large or ratio is None else f" (state {_mb(sharded.full_state)} MB: below the size it is set for)")
-        limit = RAW_TIME_RATIO_LIMIT[phase]
-        targets.append((f"sharded {phase} time / raw I/O of the same bytes, at ≥ {_mb(RAW_TARGET_MIN_STATE)} MB of state",
-                        figure, f"≤ {limit:g}", None if ratio is None or not large else ratio <= limit))
+    targets.append(judged(_target(f"full save: peak growth of every rank but 0 ≤ full state / {RANKS} + {args.allowance_mb:g} MB",
+                                  shown, f"≤ {_mb(allowance)} MB"), others, allowance, "worst", full_save.growth[1:]))
+    native = {(r["phase"], r["kind"]): r for r in records["native"]}
+    for name, phase, kind, which, limit, limit_text in [
+        *((f"{kind} resume time shim/native", "resume", kind, "time", RESUME_TIME_RATIO_LIMIT, f"≤ {RESUME_TIME_RATIO_LIMIT}")
+          for kind in KINDS),
+        ("sharded save time shim/native", "save", "sharded", "time", NATIVE_TIME_RATIO_LIMIT["save"],
+         f"≤ {NATIVE_TIME_RATIO_LIMIT['save']:g}"),
+        ("full resume peak growth shim/native (worst rank)", "resume", "full", "growth", FULL_RESUME_MEMORY_RATIO_LIMIT,
+         f"≤ {FULL_RESUME_MEMORY_RATIO_LIMIT}"),
+    ]:
+        targets.append(_ratio_target(name, native[(phase, kind)][which] if (phase, kind) in native else [], limit, limit_text))
+    raw = {(r["phase"], r["kind"]): [r["shim"], r["raw"]] for r in records["raw"]}
+
+    def at_size(name: str, formula: str, of: Sequence[float], limit: float, limit_text: str) -> Dict[str, Any]:
+        value = (_cost if formula == "added" else _ratio)(*of) if of else None
+        shown = (_percent if formula == "added" else _show)(value) + _below(value, state)
+        return judged(_target(f"{name}, at ≥ {_mb(RAW_TARGET_MIN_STATE)} MB of state", shown, limit_text), value, limit, formula,
+                      of, state=state)
+
+    targets += [at_size(f"sharded {phase} time / raw I/O of the same bytes", "ratio", raw.get((phase, "sharded"), []),
+                        RAW_TIME_RATIO_LIMIT[phase], f"≤ {RAW_TIME_RATIO_LIMIT[phase]:g}") for phase in PHASES]
     targets += background_targets(figures, args)
-    for (phase, kind), cost in costs.items():
-        figure = _percent(cost) + ("" if large or cost is None else f" (state {_mb(sharded.full_state)} MB: below the size it is set for)")
-        targets.append((f"checksums: {kind} {phase} time added, at ≥ {_mb(RAW_TARGET_MIN_STATE)} MB of state", figure,
-                        f"≤ {CHECKSUM_COST_LIMIT:.0%}", None if cost is None or not large else cost <= CHECKSUM_COST_LIMIT))
-    ratio = _ratio(verified["seconds"], verified["raw"]) if verified is not None else None
-    targets.append((f"checksums: verify time / cold read of the same bytes, at ≥ {_mb(RAW_TARGET_MIN_STATE)} MB of state",
-                    _show(ratio) + ("" if large or ratio is None else f" (state {_mb(sharded.full_state)} MB: below the size it is set for)"),
-                    f"≤ {VERIFY_RAW_RATIO_LIMIT:g}", None if ratio is None or not large else ratio <= VERIFY_RAW_RATIO_LIMIT))
+    targets += [at_size(f"checksums: {r['kind']} {r['phase']} time added", "added", [r["with"], r["without"]], CHECKSUM_COST_LIMIT,
+                        f"≤ {CHECKSUM_COST_LIMIT:.0%}") for r in records["checksums"]]
+    targets.append(at_size("checksums: verify time / cold read of the same bytes", "ratio",
+                           [v[key] for v in records["verify"] for key in ("seconds", "raw")], VERIFY_RAW_RATIO_LIMIT,
+                           f"≤ {VERIFY_RAW_RATIO_LIMIT:g}"))
+    imports = records["imports"]
     added_ms = imports["added"] * 1e3
-    targets.append((f"import lightning_fsdp_resume after import wrapt (median of {imports['repeats']})",
-                    f"+{added_ms:.2f} ms ({imports['wrapt'] * 1e3:.2f} → {imports['wrapt_and_shim'] * 1e3:.2f} ms)",
-                    f"< {IMPORT_LIMIT_S * 1e3:g} ms", imports["added"] < IMPORT_LIMIT_S))
+    targets.append(judged(_target(f"import lightning_fsdp_resume after import wrapt (median of {imports['repeats']})",
+                                  f"+{added_ms:.2f} ms ({imports['wrapt'] * 1e3:.2f} → {imports['wrapt_and_shim'] * 1e3:.2f} ms)",
+                                  f"< {IMPORT_LIMIT_S * 1e3:g} ms"),
+                          imports["added"], IMPORT_LIMIT_S, "difference", [imports["wrapt_and_shim"], imports["wrapt"]], strict=True))
     heavy = imports["heavy_imported"]
-    targets.append(("import lightning_fsdp_resume imports neither torch nor Lightning",
-                    ", ".join(heavy) if heavy else "none imported", "none", not heavy))
-    lines += ["", table(["target", "figure", "limit", "met"], [[*t[:3], _verdict(t[3])] for t in targets])]
+    targets.append(judged(_target("import lightning_fsdp_resume imports neither torch nor Lightning",
+                                  ", ".join(heavy) if heavy else "none imported", "none"), len(heavy), 0, "count", [heavy]))
+    return targets
+
+
+def report(records: Dict[str, Any], args: argparse.Namespace) -> str:
+    """A run's tables, printed from its records (``run_records``)."""
+    first = records["figures"][0]
+    lines = [
+        f"{RANKS} ranks, CPU (gloo), torch {first['torch']}, {os.cpu_count()} CPU cores; model {args.layers} layers"
+        f" × width {args.width}, full state {_mb(first['full_state'])} MB (parameters + Adam moments);"
+        f" use_orig_params={bool(args.use_orig_params)}; median of {args.repeats} repeats.",
+        "",
+        cells_table(records["figures"]),
+        "", f"{ASYNC}: the shim's sharded save with AsyncCheckpointIO, timed until the checkpoint is in place;"
+        " its stall is how long the save call blocked the training loop, then that of a second save in the same"
+        " processes.",
+    ]
+    if records["native"]:
+        lines += ["", cells_table(records["native"])]
+    if records["raw"]:
+        lines += ["", "Against the disk itself: the same number of bytes as the shim's checkpoint, written and fsynced,"
+                  " or read cold, in the same run (a resume reads a checkpoint just written, from the page cache).", "",
+                  cells_table(records["raw"])]
+    lines += ["", f"Checksums: the shim against itself with them switched off ({UNCHECKED}, in the same run); and"
+              " `verify` of the sharded checkpoint read cold, against a cold read of as many bytes.", "",
+              cells_table(records["checksums"])]
+    for verified in records["verify"]:
+        lines += ["", f"verify: {_mb(verified['bytes'])} MB in {verified['seconds']:.3f} s"
+                  f" ({verified['bytes'] / MB / max(verified['seconds'], 1e-9):.0f} MB/s); cold read of as many bytes"
+                  f" {verified['raw']:.3f} s."]
+    lines += ["", cells_table(records["targets"])]
     return "\n".join(lines)
 
 
@@ -417,34 +472,37 @@ def _percent(cost: Optional[float]) -> str:
     return "n/a" if cost is None else f"{cost:+.1%}"
 
 
-def background_targets(figures: Dict[Tuple[str, str, str], Figures], args: argparse.Namespace) -> List[Tuple]:
+def background_targets(figures: Dict[Tuple[str, str, str], Figures], args: argparse.Namespace) -> List[Dict]:
     """The targets of saves in the background and of a sharded save's memory, against each rank's own shard."""
     save, background = figures[("save", "sharded", "shim")], figures[(ASYNC, "sharded", "shim")]
-    stall = _ratio(background.stall or 0.0, save.time)
-    again = _ratio(background.stall_again or 0.0, save.time)
+    stall = [background.stall or 0.0, save.time]
+    again = [background.stall_again or 0.0, save.time]
     allowance = args.allowance_mb * MB
-    sync_over = [g - (SYNC_GROWTH_SHARDS * s + allowance) for g, s in zip(save.growth, save.shard)]
-    async_over = [g - (ASYNC_GROWTH_SHARDS * s + allowance) for g, s in zip(background.growth, background.shard)]
+    sync = [save.growth, save.shard, SYNC_GROWTH_SHARDS, allowance]
+    in_background = [background.growth, background.shard, ASYNC_GROWTH_SHARDS, allowance]
     per_rank = " / ".join(f"{_mb(g)} of {_mb(s)}" for g, s in zip(save.growth, save.shard))
     per_rank_async = " / ".join(f"{_mb(g)} of {_mb(s)}" for g, s in zip(background.growth, background.shard))
+    beyond = background.beyond_copy
     return [
-        (f"{ASYNC}: training blocked / synchronous sharded save time", f"{_show(stall)} ({background.stall or 0:.3f} s"
-         f" of {save.time:.3f} s; written in {background.time:.3f} s; waited {background.waited_for_buffers:.3f} s for its"
-         f" host buffers before the clock)", f"≤ {ASYNC_STALL_RATIO_LIMIT:g}",
-         None if stall is None else stall <= ASYNC_STALL_RATIO_LIMIT),
-        (f"{ASYNC}, a later save (its host buffers kept): training blocked / synchronous sharded save time",
-         f"{_show(again)} ({background.stall_again or 0:.3f} s of {save.time:.3f} s)", f"≤ {ASYNC_STALL_RATIO_LIMIT:g}",
-         None if again is None else again <= ASYNC_STALL_RATIO_LIMIT),
-        (f"{ASYNC}, a later save: training blocked less the copy alone (slowest rank; median, min–max)",
-         "n/a" if background.beyond_copy is None else f"{background.beyond_copy * 1e3:.1f} ms"
-         f" ({background.beyond_copy_spread[0] * 1e3:.1f}–{background.beyond_copy_spread[1] * 1e3:.1f})",
-         f"≤ {ASYNC_BEYOND_COPY_LIMIT_S * 1e3:g} ms",
-         None if background.beyond_copy is None else background.beyond_copy <= ASYNC_BEYOND_COPY_LIMIT_S),
-        (f"sharded save: each rank's peak growth ≤ {SYNC_GROWTH_SHARDS:g} × its shard + {args.allowance_mb:g} MB",
-         f"{per_rank} MB (rank 0 / 1)", f"{SYNC_GROWTH_SHARDS:g} × shard + allowance", max(sync_over) <= 0),
-        (f"{ASYNC}: each rank's peak growth ≤ its shard + {args.allowance_mb:g} MB", f"{per_rank_async} MB (rank 0 / 1)",
-         f"{ASYNC_GROWTH_SHARDS:g} × shard + allowance", max(async_over) <= 0),
+        _ratio_target(f"{ASYNC}: training blocked / synchronous sharded save time", stall, ASYNC_STALL_RATIO_LIMIT,
+                      f"≤ {ASYNC_STALL_RATIO_LIMIT:g}", f" ({stall[0]:.3f} s of {save.time:.3f} s; written in {background.time:.3f} s;"
+                      f" waited {background.waited_for_buffers:.3f} s for its host buffers before the clock)"),
+        _ratio_target(f"{ASYNC}, a later save (its host buffers kept): training blocked / synchronous sharded save time", again,
+                      ASYNC_STALL_RATIO_LIMIT, f"≤ {ASYNC_STALL_RATIO_LIMIT:g}", f" ({again[0]:.3f} s of {save.time:.3f} s)"),
+        judged(_target(f"{ASYNC}, a later save: training blocked less the copy alone (slowest rank; median, min–max)",
+                       "n/a" if beyond is None else f"{beyond * 1e3:.1f} ms ({min(background.beyond_copies) * 1e3:.1f}–"
+                       f"{max(background.beyond_copies) * 1e3:.1f})", f"≤ {ASYNC_BEYOND_COPY_LIMIT_S * 1e3:g} ms"),
+               beyond, ASYNC_BEYOND_COPY_LIMIT_S, "median", background.beyond_copies),
+        judged(_target(f"sharded save: each rank's peak growth ≤ {SYNC_GROWTH_SHARDS:g} × its shard + {args.allowance_mb:g} MB",
+                       f"{per_rank} MB (rank 0 / 1)", f"{SYNC_GROWTH_SHARDS:g} × shard + allowance"), _over(*sync), 0, "over", sync),
+        judged(_target(f"{ASYNC}: each rank's peak growth ≤ its shard + {args.allowance_mb:g} MB", f"{per_rank_async} MB (rank 0 / 1)",
+                       f"{ASYNC_GROWTH_SHARDS:g} × shard + allowance"), _over(*in_background), 0, "over", in_background),
     ]
+
+
+def _over(growth: Sequence[float], shard: Sequence[float], shards: float, allowance: float) -> float:
+    """The most a rank grew by beyond ``shards`` × its shard and ``allowance``."""
+    return max(g - (shards * s + allowance) for g, s in zip(growth, shard))
 
 
 # --- scaling: how the costs grow with the state --------------------------------------------------------
@@ -478,22 +536,19 @@ def measure_scaling(sides: Sequence[Tuple[str, str]], args: argparse.Namespace, 
     return rows
 
 
-def _size_targets(row: Dict[str, Any]) -> List[Tuple]:
+def _size_targets(row: Dict[str, Any]) -> List[Dict]:
     """At one size: the sharded save and resume against the disk's raw I/O, and against native's time and memory."""
     targets = []
     for phase, medium in (("save", "raw write"), ("resume", "raw read")):
-        ratio = _ratio(row[f"shim {phase}"], row[medium])
         limit = RAW_TIME_RATIO_LIMIT[phase]
-        targets.append((f"sharded {phase} / raw I/O", _show(ratio), f"≤ {limit:g} from {_mb(RAW_TARGET_MIN_STATE)} MB",
-                        None if ratio is None or row["state"] < RAW_TARGET_MIN_STATE else ratio <= limit))
+        targets.append(_ratio_target(f"sharded {phase} / raw I/O", [row[f"shim {phase}"], row[medium]], limit,
+                                     f"≤ {limit:g} from {_mb(RAW_TARGET_MIN_STATE)} MB", state=row["state"]))
         if f"native {phase}" in row:
-            time_ratio = _ratio(row[f"shim {phase}"], row[f"native {phase}"])
-            memory_ratio = _ratio(row[f"shim {phase} memory"], row[f"native {phase} memory"])
             limit = NATIVE_TIME_RATIO_LIMIT[phase]
-            targets.append((f"sharded {phase} time / native", _show(time_ratio), f"≤ {limit:g}",
-                            None if time_ratio is None else time_ratio <= limit))
-            targets.append((f"sharded {phase} peak growth / native", _show(memory_ratio), "≤ 1",
-                            None if memory_ratio is None else memory_ratio <= 1))
+            targets.append(_ratio_target(f"sharded {phase} time / native", [row[f"shim {phase}"], row[f"native {phase}"]], limit,
+                                         f"≤ {limit:g}"))
+            targets.append(_ratio_target(f"sharded {phase} peak growth / native",
+                                         [row[f"shim {phase} memory"], row[f"native {phase} memory"]], 1, "≤ 1"))
     return targets
 
 
@@ -539,28 +594,34 @@ def _median_and_spread(values: Sequence[float], digits: int = 2) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
-def ranks_report(rows: List[Dict[str, Any]], repeats: int) -> str:
-    """The rank-scaling table, and how much each cost grew from the fewest ranks to the most against the rank count."""
-    columns = ("save", "save beyond raw", "resume", "resume beyond raw")
-    stalls = ("later stall", "later stall beyond copy")
-    lines = [f"Rank scaling: the same {_mb(rows[0]['state'])} MB of state saved and resumed sharded by the shim, "
-             f"medians of {repeats} repeats (min–max), the slowest rank's seconds", ""]
-    header = ["ranks", *(f"{column} s" for column in columns), *(f"{ASYNC}: {column} ms" for column in stalls),
-              "DCP items", "`.metadata` bytes", "files"]
-    body = [[str(row["ranks"]), *(_median_and_spread(row[column]) for column in columns),
-             *(_median_and_spread([value * 1e3 for value in row[column]], digits=0) for column in stalls),
-             str(row["items"]), f"{row['metadata']:,}", str(row["files"])] for row in rows]
-    lines.append(table(header, body))
+# the columns of the rank-scaling table: seconds, then milliseconds of a save in the background
+RANK_COLUMNS = ("save", "save beyond raw", "resume", "resume beyond raw")
+RANK_STALLS = ("later stall", "later stall beyond copy")
+
+
+def ranks_records(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The rank-scaling rows with their cells, and how much each cost grew from the fewest ranks to the most against
+    the rank count (``checks``)."""
+    for row in rows:
+        row["cells"] = {"ranks": str(row["ranks"]), **{f"{column} s": _median_and_spread(row[column]) for column in RANK_COLUMNS},
+                        **{f"{ASYNC}: {column} ms": _median_and_spread([value * 1e3 for value in row[column]], digits=0)
+                           for column in RANK_STALLS},
+                        "DCP items": str(row["items"]), "`.metadata` bytes": f"{row['metadata']:,}", "files": str(row["files"])}
     first, last = rows[0], rows[-1]
     grew = last["ranks"] / first["ranks"]
     checks = []
     for column in ("save beyond raw", "resume beyond raw", "later stall beyond copy", "items", "metadata"):
-        before = statistics.median(first[column]) if isinstance(first[column], list) else first[column]
-        after = statistics.median(last[column]) if isinstance(last[column], list) else last[column]
-        ratio = _ratio(after, before) if before > 0 else None
-        checks.append((f"{column}: {last['ranks']} ranks / {first['ranks']}", _show(ratio), f"≤ {grew:g} (the ranks)",
-                       _verdict(None if ratio is None else ratio <= grew)))
-    lines += ["", table(["grows no faster than the ranks", "ratio", "limit", "met"], checks)]
+        of = [statistics.median(row[column]) if isinstance(row[column], list) else row[column] for row in (last, first)]
+        checks.append(judged({"grows no faster than the ranks": f"{column}: {last['ranks']} ranks / {first['ranks']}",
+                              "ratio": _show(_ratio(*of)), "limit": f"≤ {grew:g} (the ranks)"}, _ratio(*of), grew, "ratio", of))
+    return {"ranks": rows, "checks": checks}
+
+
+def ranks_report(records: Dict[str, Any], repeats: int) -> str:
+    """The rank-scaling tables, printed from their records (``ranks_records``)."""
+    lines = [f"Rank scaling: the same {_mb(records['ranks'][0]['state'])} MB of state saved and resumed sharded by the shim, "
+             f"medians of {repeats} repeats (min–max), the slowest rank's seconds", "", cells_table(records["ranks"])]
+    lines += ["", cells_table(records["checks"])]
     return "\n".join(lines)
 
 
@@ -588,12 +649,29 @@ SCALING_SERIES = ("shim save", "shim stall", "shim later stall", "shim resume", 
                   "raw write", "raw read")
 
 
-def scaling_report(rows: List[Dict[str, Any]]) -> str:
+def scaling_records(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The rows of each size with their cells (their targets inside), and the line fitted to each series (``fits``)."""
     series = [name for name in SCALING_SERIES if all(row.get(name) is not None for row in rows)]
     memory = [name for name in ("shim save memory", "shim async memory", "shim resume memory", "native save memory",
                                 "native resume memory") if all(name in row for row in rows)]
-    body = [[f"{row['state'] / 1e9:.2f}", *(f"{row[name]:.2f}" for name in series), *(_mb(row[name]) for name in memory)]
-            for row in rows]
+    for row in rows:
+        row["cells"] = {"state GB": f"{row['state'] / 1e9:.2f}", **{f"{name} s": f"{row[name]:.2f}" for name in series},
+                        **{f"{name} MB": _mb(row[name]) for name in memory}}
+    gigabytes = [row["state"] / 1e9 for row in rows]
+    predicted_state = PREDICTED_PARAMETERS * 4 * 3 / 1e9
+    fits = []
+    for name in series:
+        intercept, slope = _fit(gigabytes, [row[name] for row in rows])
+        predicted = intercept + slope * predicted_state
+        cells = {"series": name, "a s": f"{intercept:.2f}", "b s/GB": f"{slope:.3f}",
+                 f"predicted s at {predicted_state:.0f} GB": f"{predicted:.0f}"}
+        fits.append({"cells": cells, "series": name, "a": intercept, "b": slope, "at GB": predicted_state, "predicted": predicted})
+    return {"sizes": rows, "fits": fits}
+
+
+def scaling_report(records: Dict[str, Any]) -> str:
+    """The scaling tables, printed from their records (``scaling_records``)."""
+    rows = records["sizes"]
     lines = [
         f"How the costs grow: sharded checkpoints on {RANKS} ranks, medians of {rows[0]['repeats']} runs per size; times in s,"
         " each rank's worst peak"
@@ -601,23 +679,17 @@ def scaling_report(rows: List[Dict[str, Any]]) -> str:
         " in the same processes); consolidate: to a torch file of"
         " the weights.",
         "",
-        table(["state GB", *(f"{name} s" for name in series), *(f"{name} MB" for name in memory)], body),
+        cells_table(rows),
     ]
-    gigabytes = [row["state"] / 1e9 for row in rows]
-    predicted_state = PREDICTED_PARAMETERS * 4 * 3 / 1e9
-    fits = []
-    for name in series:
-        intercept, slope = _fit(gigabytes, [row[name] for row in rows])
-        fits.append([name, f"{intercept:.2f}", f"{slope:.3f}", f"{intercept + slope * predicted_state:.0f}"])
-    names = [target[0] for target in rows[0]["targets"]]
-    verdicts = [[name, *(f"{row['targets'][index][1]}: {_verdict(row['targets'][index][3])}" for row in rows)]
-                for index, name in enumerate(names)]
+    verdicts = [[target["cells"]["target"], *(f"{row['targets'][index]['cells']['figure']}: {row['targets'][index]['cells']['met']}"
+                                               for row in rows)] for index, target in enumerate(rows[0]["targets"])]
     lines += ["", "The targets at each size (figure: met):", "",
               table(["target", *(f"{row['state'] / 1e9:.2f} GB" for row in rows)], verdicts)]
+    predicted_state = records["fits"][0]["at GB"]
     lines += ["", f"A line fitted to each (time = a + b × state GB), and what it predicts for a {PREDICTED_PARAMETERS / 1e9:g}B-parameter"
               f" model with Adam (fp32: {predicted_state:.0f} GB of state) at this machine's disk and CPU speed, its"
               f" {PREDICTED_RANKS} ranks sharing them as these {RANKS} do:", "",
-              table(["series", "a s", "b s/GB", f"predicted s at {predicted_state:.0f} GB"], fits)]
+              cells_table(records["fits"])]
     return "\n".join(lines)
 
 
@@ -711,32 +783,37 @@ def _consolidate_once(python: str, src: Path, workdir: Path, options: Dict[str, 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def consolidate_report(records: Dict[str, List[Dict]], source: str) -> str:
-    """The consolidate table: per output, file size, time and peak growth, and the growth against the largest
-    weight tensor, the weights and the full state."""
-    runs_of_one = next(iter(records.values()))
-    first = runs_of_one[0]
+def consolidate_records(records: Dict[str, List[Dict]]) -> List[Dict[str, Any]]:
+    """Per output, its runs and their medians with the cells of its row: file size, time and peak growth, and the growth
+    against the largest weight tensor, the weights and the full state."""
+    first = next(iter(records.values()))[0]
     largest, weights, state = first["largest_weight"], first["weights"], first["state"]
-    repeats = len(runs_of_one)
-    lines = [
-        f"consolidate of {source}: full state {_mb(state)} MB in {first['tensors']} tensors, weights {_mb(weights)} MB,"
-        f" largest weight tensor {_mb(largest)} MB; each output made in a fresh process, median of {repeats}.",
-        "",
-    ]
     rows = []
     for label, runs in records.items():
         growth = statistics.median(run["growth"] for run in runs)
         seconds = statistics.median(run["seconds"] for run in runs)
         spread = f"{_mb(min(r['growth'] for r in runs))}–{_mb(max(r['growth'] for r in runs))}"
-        rows.append([label, _mb(runs[0]["file"]), f"{seconds:.2f}", f"{_mb(growth)} ({spread})",
-                     _show(_ratio(growth, largest)), _show(_ratio(growth, weights)), _show(_ratio(growth, state))])
-    lines.append(table(["consolidate output", "file MB", "time s", "peak growth MB (range)", "growth / largest weight tensor",
-                        "growth / weights", "growth / full state"], rows))
+        cells = {"consolidate output": label, "file MB": _mb(runs[0]["file"]), "time s": f"{seconds:.2f}",
+                 "peak growth MB (range)": f"{_mb(growth)} ({spread})", "growth / largest weight tensor": _show(_ratio(growth, largest)),
+                 "growth / weights": _show(_ratio(growth, weights)), "growth / full state": _show(_ratio(growth, state))}
+        rows.append({"cells": cells, "output": label, "runs": runs, "growth": growth, "seconds": seconds})
+    return rows
+
+
+def consolidate_report(rows: List[Dict[str, Any]], source: str) -> str:
+    """The consolidate table, printed from its records (``consolidate_records``)."""
+    first = rows[0]["runs"][0]
+    lines = [
+        f"consolidate of {source}: full state {_mb(first['state'])} MB in {first['tensors']} tensors, weights {_mb(first['weights'])} MB,"
+        f" largest weight tensor {_mb(first['largest_weight'])} MB; each output made in a fresh process, median of {len(rows[0]['runs'])}.",
+        "",
+        cells_table(rows),
+    ]
     return "\n".join(lines)
 
 
-def consolidate_a_save(args: argparse.Namespace, workdir: Path) -> str:
-    """The consolidate table for a sharded checkpoint of the benchmark's model, saved by the shim."""
+def consolidate_a_save(args: argparse.Namespace, workdir: Path) -> List[Dict[str, Any]]:
+    """The consolidate records for a sharded checkpoint of the benchmark's model, saved by the shim."""
     run_dir = workdir / "consolidate"
     checkpoint = run_dir / "checkpoint"
     print("consolidate: saving a sharded checkpoint to measure", file=sys.stderr, flush=True)
@@ -745,7 +822,7 @@ def consolidate_a_save(args: argparse.Namespace, workdir: Path) -> str:
         records = measure_consolidate(sys.executable, checkpoint, run_dir, args.repeats)
     finally:
         shutil.rmtree(run_dir)
-    return consolidate_report(records, f"the shim's sharded checkpoint of the model above ({args.layers} × {args.width})")
+    return consolidate_records(records)
 
 
 # --- object storage: the same saves and resumes at an S3 URL -----------------------------------------
@@ -793,29 +870,36 @@ def measure_remote(args: argparse.Namespace, workdir: Path) -> Dict[Tuple[str, s
 
 
 def _data_of(fs: Any, url: str) -> str:
-    """What a checkpoint at ``url`` consists of: the prefix its pointer names, or the file itself (README)."""
+    """What a checkpoint at ``url`` consists of: the prefix its pointer names, or the file itself (docs/saving.md)."""
     content = fs.cat_file(url)
     if content.startswith(b"{"):
         return url.rsplit("/", 1)[0] + "/" + json.loads(content)["data"]
     return url
 
 
-def remote_report(remote: Dict[Tuple[str, str], Dict[str, List[float]]], local: Dict[Tuple[str, str, str], Figures]) -> str:
+def remote_records(remote: Dict[Tuple[str, str], Dict[str, List[float]]], local: Dict[Tuple[str, str, str], Figures]) -> List[Dict]:
+    """Per phase and kind, the medians at S3, on the local disk and of s3fs copying the bytes, with the cells of its row."""
     rows = []
-    for phase in PHASES:
-        for kind in KINDS:
-            s3 = statistics.median(remote[(phase, kind)]["s3"])
-            raw = statistics.median(remote[(phase, kind)]["raw"])
-            disk = local[(phase, kind, "shim")].time
-            size = statistics.median(remote[("save", kind)]["bytes"])
-            rows.append([phase, kind, _mb(size), f"{disk:.3f}", f"{s3:.3f}", _show(_ratio(s3, disk)), f"{raw:.3f}",
-                         _show(_ratio(s3, raw))])
+    for phase, kind in PHASE_KINDS:
+        s3 = statistics.median(remote[(phase, kind)]["s3"])
+        raw = statistics.median(remote[(phase, kind)]["raw"])
+        disk = local[(phase, kind, "shim")].time
+        size = statistics.median(remote[("save", kind)]["bytes"])
+        cells = {"phase": phase, "kind": kind, "checkpoint MB": _mb(size), "local disk s": f"{disk:.3f}", "S3 s": f"{s3:.3f}",
+                 "S3/disk": _show(_ratio(s3, disk)), "raw S3 copy s": f"{raw:.3f}", "S3/raw copy": _show(_ratio(s3, raw))}
+        rows.append({"cells": cells, "phase": phase, "kind": kind, "bytes": size, "disk": disk, "s3": s3, "raw": raw,
+                     "runs": remote[(phase, kind)]})
+    return rows
+
+
+def remote_report(rows: List[Dict]) -> str:
+    """The object-storage table, printed from its records (``remote_records``)."""
     return "\n".join([
         "Object storage: the same saves and resumes at s3:// URLs of a local S3 server (moto on 127.0.0.1, through a"
         " TCP relay), against the local disk, and against s3fs copying the checkpoint's bytes (upload for a save,"
         " download for a resume); median of the repeats.",
         "",
-        table(["phase", "kind", "checkpoint MB", "local disk s", "S3 s", "S3/disk", "raw S3 copy s", "S3/raw copy"], rows),
+        cells_table(rows),
     ])
 
 
@@ -844,49 +928,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="with --scaling: write a PNG plot here (the [plot] extra)")
     parser.add_argument("--ranks", type=lambda text: [int(n) for n in text.split(",")], default=None, metavar="N,N,...",
                         help="instead: the same state saved and resumed sharded by each of these numbers of ranks")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the records behind every printed table here: figures, ratios, limits and verdicts")
     parser.set_defaults(nproc=RANKS)
     args = parser.parse_args(argv)
 
     sides = [("shim", sys.executable)] + ([("native", args.native_python)] if args.native_python else [])
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fsdp-resume-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    consolidated = ""
-    remote: Dict[Tuple[str, str], Dict[str, List[float]]] = {}
-    raw: Dict[str, List[Dict]] = {}
+    records: Dict[str, Any] = {}
     try:
         if args.ranks:
-            print(ranks_report(measure_ranks(args, workdir), args.repeats))
-            return 0
-        if args.scaling:
-            rows = measure_scaling(sides, args, workdir)
-            print(scaling_report(rows))
-            if args.plot is not None:
-                print(scaling_plot(rows, args.plot))
-            return 0
-        if args.consolidate_from is not None:
-            records = measure_consolidate(sys.executable, args.consolidate_from, workdir, args.repeats)
-            print(consolidate_report(records, repr(str(args.consolidate_from))))
-            return 0
-        results = run_all(sides, args, workdir, raw)
-        if args.consolidate:
-            consolidated = consolidate_a_save(args, workdir)
-        if args.remote:
-            remote = measure_remote(args, workdir)
+            records = ranks_records(measure_ranks(args, workdir))
+            text = ranks_report(records, args.repeats)
+        elif args.scaling:
+            records = scaling_records(measure_scaling(sides, args, workdir))
+            text = scaling_report(records) + ("" if args.plot is None else "\n" + scaling_plot(records["sizes"], args.plot))
+        elif args.consolidate_from is not None:
+            records = {"consolidate": consolidate_records(measure_consolidate(sys.executable, args.consolidate_from, workdir,
+                                                                              args.repeats))}
+            text = consolidate_report(records["consolidate"], repr(str(args.consolidate_from)))
+        else:
+            raw: Dict[str, List[Dict]] = {}
+            results = run_all(sides, args, workdir, raw)
+            consolidated = consolidate_a_save(args, workdir) if args.consolidate else []
+            remote = measure_remote(args, workdir) if args.remote else {}
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    imports = import_time.measure(sys.executable, args.import_repeats, env=_env())
-    figures: Dict[Tuple[str, str, str], Any] = {key: Figures(value) for key, value in results.items() if key[0] != "verify"}
-    figures.update({key: [records[0] for records in value] for key, value in results.items() if key[0] == "verify"})
-    print(report(figures, imports, args, raw))
-    if remote:
-        print("\n" + remote_report(remote, figures))
-    if consolidated:
-        print("\n" + consolidated)
-    return 1 if imports["heavy_imported"] else 0
+    if not records:  # a run of both kinds: its figures, then the import's
+        imports = import_time.measure(sys.executable, args.import_repeats, env=_env())
+        figures: Dict[Tuple[str, str, str], Any] = {key: Figures(value) for key, value in results.items() if key[0] != "verify"}
+        figures.update({key: [runs[0] for runs in value] for key, value in results.items() if key[0] == "verify"})
+        records = run_records(figures, imports, args, raw)
+        text = report(records, args)
+        if remote:
+            records["remote"] = remote_records(remote, figures)
+            text += "\n\n" + remote_report(records["remote"])
+        if consolidated:
+            records["consolidate"] = consolidated
+            text += "\n\n" + consolidate_report(consolidated, f"the shim's sharded checkpoint of the model above ({args.layers} × {args.width})")
+    print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps(records, indent=1, ensure_ascii=False), encoding="utf-8")
+    return 1 if records.get("imports", {}).get("heavy_imported") else 0
 
 
 if __name__ == "__main__":

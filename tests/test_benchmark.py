@@ -1,107 +1,220 @@
-"""The benchmark runs at its smallest size on the shim side and prints every row it promises."""
-import importlib.util
+"""The benchmarks at their smallest sizes: every row they promise is there, and each printed ratio and verdict is what
+the figures behind it make it (their ``--json`` records). Speed is theirs to report, never asserted here."""
 import json
+import math
+import operator
 import re
+import statistics
 import sys
 from pathlib import Path
 
 import pytest
 
-from lightning_fsdp_resume.testing import cpu_optimizer_state_supported
 from support.flavours import PATCHABLE_TRAINERS
-from support.marks import long_runs, needs_cpu_fsdp
+from support.marks import ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU, S3_PACKAGES, importable, long_runs, needs_cpu_fsdp
 from support.ranks import _run
 
 pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
 
-BENCHMARK = Path(__file__).parent.parent / "benchmarks" / "resume_benchmark.py"
-# The object-storage rows where the S3 server can run (tox installs it)
-REMOTE = ["--remote"] if all(importlib.util.find_spec(name) for name in ("moto", "s3fs", "flask")) else []
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+BENCHMARK = BENCHMARKS / "resume_benchmark.py"
 # The benchmark's use_orig_params=True needs an optimizer gather torch 2.2 cannot make on the CPU.
-USE_ORIG_PARAMS = "1" if cpu_optimizer_state_supported(True)[0] else "0"
+USE_ORIG_PARAMS = "1" if ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU else "0"
 # One benchmark run is several torchrun launches (up to 4 ranks on a 2-core machine): more than one launch's limit
 BENCHMARK_TIMEOUT_S = 900
 
+# The targets each run and each --scaling size is checked against, by the start of their names
+BACKGROUND_TARGETS = [
+    "async save: training blocked / synchronous sharded save time",
+    "async save, a later save (its host buffers kept): training blocked / synchronous sharded save time",
+    "async save, a later save: training blocked less the copy alone (slowest rank; median, min–max)",
+    "sharded save: each rank's peak growth",
+    "async save: each rank's peak growth",
+]
+SIZED_TARGETS = [  # set for a state of 1.5 GB and more: not measured at the sizes here
+    "sharded save time / raw I/O of the same bytes", "sharded resume time / raw I/O of the same bytes",
+    "checksums: sharded save time added", "checksums: sharded resume time added", "checksums: full resume time added",
+    "checksums: verify time / cold read of the same bytes",
+]
+RUN_TARGETS = [
+    "sharded resume: per-rank peak growth", "full save: peak growth of every rank but 0",
+    "sharded resume time shim/native", "full resume time shim/native", "sharded save time shim/native",
+    "full resume peak growth shim/native (worst rank)",
+    *SIZED_TARGETS[:2], *BACKGROUND_TARGETS, *SIZED_TARGETS[2:],
+    "import lightning_fsdp_resume after import wrapt", "import lightning_fsdp_resume imports neither torch nor Lightning",
+]
+SCALING_TARGETS = [*BACKGROUND_TARGETS, "sharded save / raw I/O", "sharded resume / raw I/O"]
+
+# How a checked figure's value is made of the figures its record names (resume_benchmark.judged)
+FORMULAS = {
+    "ratio": lambda a, b: a / b if b > 0 else None,
+    "added": lambda a, b: a / b - 1 if b > 0 else None,
+    "difference": operator.sub,
+    "worst": lambda *values: max(values),
+    "median": lambda *values: statistics.median(values),
+    "count": len,
+    "over": lambda growth, shard, shards, allowance: max(g - (shards * s + allowance) for g, s in zip(growth, shard)),
+}
+VERDICTS = {None: "not measured", True: "yes", False: "**NO**"}
+UNITS = {"": 1, "%": 100, " MB": 1e-6, " ms": 1e3}  # a printed figure's unit, from the records' (seconds, bytes, ratios)
+
 
 def _tables(output: str):
-    """Each markdown table of the output as a list of {column: cell} rows."""
-    tables, header = [], None
+    """Each markdown table of the output as a list of rows, the header first, each a list of cells."""
+    tables, inside = [], False
     for line in output.splitlines():
-        if not line.startswith("|"):
-            header = None
-            continue
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if header is None:
-            header = cells
-            tables.append([])
-        elif not set("".join(cells)) <= {"-"}:
-            tables[-1].append(dict(zip(header, cells)))
+        if line.startswith("|"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if not inside:
+                tables.append([])
+            if not set("".join(cells)) <= {"-"}:
+                tables[-1].append(cells)
+        inside = line.startswith("|")
     return tables
+
+
+def _printed(table):
+    """A table's rows as {column: cell}."""
+    return [dict(zip(table[0], row)) for row in table[1:]]
+
+
+def _shows(cell: str, value: float) -> bool:
+    """Whether ``cell`` begins with ``value``: in the cell's unit, to its last printed digit."""
+    number, decimals, unit = re.match(r"\+?([+-]?\d+(?:\.(\d+))?)(%| MB| ms)?", cell).groups()  # "+-": the import's
+    scaled = value * UNITS[unit or ""]
+    return abs(float(number) - scaled) <= 0.5 * 10 ** -len(decimals or "") + 1e-9 * max(1.0, abs(scaled))
+
+
+def _names(records):
+    return [re.split(r" ≤ |, at ≥ | \(median of", record["cells"]["target"])[0] for record in records]
+
+
+def _agrees(record, state: float, figure: str = "figure") -> None:
+    """A checked figure's record: its value is its formula of its figures; its verdict that value against its limit,
+    not measured without one or below the state it is set from; its cells show the value and the limit."""
+    value = FORMULAS[record["formula"]](*record["of"]) if record["of"] else None
+    assert record["value"] == (None if value is None else pytest.approx(value, rel=1e-12)), record
+    measured = value is not None and state >= record.get("from state", -math.inf)
+    met = ((value < record["limit"]) if record["strict"] else (value <= record["limit"])) if measured else None
+    cells = record["cells"]
+    assert cells["met"] == VERDICTS[met] and record.get("state", state) == state, record
+    if value is None:
+        assert cells[figure].startswith("n/a"), record
+    elif record["formula"] == "over":  # each rank's growth of its shard, in MB
+        growth, shard = record["of"][:2]
+        numbers = [float(n) for n in re.findall(r"-?\d+\.\d", cells[figure])]
+        assert numbers == pytest.approx([b / 1e6 for pair in zip(growth, shard) for b in pair], abs=0.051), record
+    elif record["formula"] == "count":
+        assert (cells[figure] == "none imported") == (value == 0), record
+    else:
+        assert _shows(cells[figure], value), record
+    if cells["limit"][:2] in ("≤ ", "< "):
+        assert (cells["limit"][0] == "<") == record["strict"] and _shows(cells["limit"][2:], record["limit"]), record
 
 
 @long_runs
 def test_benchmark_reports_save_and_resume_of_both_kinds_and_the_targets(tmp_path):
-    output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS, "--repeats", "1",
-                   "--import-repeats", "2", "--workdir", str(tmp_path), *REMOTE], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""},
-                  timeout=BENCHMARK_TIMEOUT_S)
-    figures, raw, checksums, targets, *remote = _tables(output)
-    assert [(r["phase"], r["kind"], r["side"]) for r in figures] == [
+    remote = ["--remote"] if importable("s3", *S3_PACKAGES) else []  # the object-storage rows where the S3 server runs
+    work, records_at = tmp_path / "work", tmp_path / "records.json"
+    output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS,
+                   "--repeats", "1", "--import-repeats", "2", "--workdir", str(work), "--json", str(records_at), *remote],
+                  env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""}, timeout=BENCHMARK_TIMEOUT_S)
+    records = json.loads(records_at.read_text(encoding="utf-8"))
+    names = ["figures", "raw", "checksums", "targets", *(["remote"] if remote else [])]
+    tables = _tables(output)
+    assert [_printed(table) for table in tables] == [[row["cells"] for row in records[name]] for name in names]
+    figures = {(row["phase"], row["kind"]): row for row in records["figures"]}
+    assert [(r["phase"], r["kind"], r["side"]) for r in records["figures"]] == [
         (phase, kind, "shim") for phase in ("save", "resume") for kind in ("sharded", "full")
     ] + [("async save", "sharded", "shim")]
-    for row in figures:
-        assert row["Lightning"].endswith(("patched", "native")), row
-        assert float(row["time s"].split(";")[0]) > 0
-        assert ("; stall " in row["time s"]) == (row["phase"] == "async save"), row
-        for rank in (0, 1):
-            assert re.fullmatch(r"-?\d+\.\d \(-?\d+\.\d–-?\d+\.\d\)", row[f"rank {rank} peak growth MB (range)"]), row
-    assert [(r["phase"], r["kind"]) for r in raw] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
-    for row in raw:
-        medium = "write \\+ fsync" if row["phase"] == "save" else "cold read"
-        assert re.fullmatch(rf"\d+\.\d{{3}} \({medium}\)", row["raw I/O s"]) and float(row["checkpoint MB"]) >= 0, row
-        assert re.fullmatch(r"\d+\.\d\d|n/a", row["shim/raw"]), row  # n/a: a read too small to time
-    assert [(r["phase"], r["kind"]) for r in checksums] == [("save", "sharded"), ("resume", "sharded"), ("resume", "full")]
-    for row in checksums:
-        assert float(row["shim s"]) > 0 and float(row["no checksums s"]) > 0 and re.fullmatch(r"[+-]\d+\.\d%", row["cost"]), row
+    for row in records["figures"]:
+        assert row["time"] == statistics.median(row["times"]) and _shows(row["cells"]["time s"], row["time"]), row
+        assert ("; stall " in row["cells"]["time s"]) == (row["phase"] == "async save"), row
+        for rank, growth in enumerate(row["growth"]):
+            assert _shows(row["cells"][f"rank {rank} peak growth MB (range)"], growth / 1e6), row
+    assert [(r["phase"], r["kind"]) for r in records["raw"]] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
+    for row in records["raw"]:
+        medium = "write" if row["phase"] == "save" else "read"
+        assert row["shim"] == figures[(row["phase"], row["kind"])]["time"], row
+        assert row["raw"] == statistics.median(io[medium] for io in records["raw I/O"][row["kind"]]), row
+        ratio = FORMULAS["ratio"](row["shim"], row["raw"])  # none: a read too small to time
+        assert row["cells"]["shim/raw"] == "n/a" if ratio is None else _shows(row["cells"]["shim/raw"], ratio), row
+    assert [(r["phase"], r["kind"]) for r in records["checksums"]] == [("save", "sharded"), ("resume", "sharded"), ("resume", "full")]
+    for row in records["checksums"]:
+        assert row["with"] == figures[(row["phase"], row["kind"])]["time"] and _shows(row["cells"]["cost"], row["with"] / row["without"] - 1), row
     assert re.search(r"verify: [\d.]+ MB in [\d.]+ s \(\d+ MB/s\); cold read of as many bytes [\d.]+ s", output), output
-    sums_targets = [row for row in targets if row["target"].startswith("checksums: ")]
-    assert len(sums_targets) == 4 and all(row["met"] == "not measured" for row in sums_targets), sums_targets
-    verdicts = {row["target"].split(":")[0].split(" (")[0]: row["met"] for row in targets}
-    for phase in ("save", "resume"):  # a smoke-sized state is below the size the target is set for
-        assert verdicts[f"sharded {phase} time / raw I/O of the same bytes, at ≥ 1500.0 MB of state"] == "not measured"
-    assert verdicts["sharded resume"] in ("yes", "**NO**")
-    assert verdicts["full save"] in ("yes", "**NO**")
-    assert verdicts["sharded resume time shim/native"] == "not measured"  # no native side given
-    assert verdicts["import lightning_fsdp_resume imports neither torch nor Lightning"] == "yes"
-    background = [row for row in targets if row["target"].startswith(("async save", "sharded save: each rank"))]
-    assert len(background) == 5 and all(row["met"] in ("yes", "**NO**") for row in background), background
-    beyond = next(row for row in background if "less the copy alone" in row["target"])
-    assert re.fullmatch(r"-?[0-9.]+ ms \(-?[0-9.]+–-?[0-9.]+\)", beyond["figure"]), beyond
-    if REMOTE:
-        (rows,) = remote
-        assert [(r["phase"], r["kind"]) for r in rows] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
-        for row in rows:
-            assert float(row["S3 s"]) > 0 and float(row["raw S3 copy s"]) > 0 and float(row["S3/disk"]) > 0, row
-    assert [p.name for p in tmp_path.iterdir()] == (["s3-server.log"] if REMOTE else []), "the checkpoints of each run are removed after it"
+
+    targets = records["targets"]
+    assert _names(targets) == RUN_TARGETS
+    state = figures[("resume", "sharded")]["full_state"]
+    for target in targets:
+        _agrees(target, state)
+    by_name = dict(zip(RUN_TARGETS, targets))
+    save, background = figures[("save", "sharded")], figures[("async save", "sharded")]
+    (verified,), imports = records["verify"], records["imports"]
+    expected_of = {  # each target's figures, as the tables above (and the imports measured) give them
+        "sharded resume: per-rank peak growth": figures[("resume", "sharded")]["growth"],
+        "full save: peak growth of every rank but 0": figures[("save", "full")]["growth"][1:],
+        "sharded save time / raw I/O of the same bytes": [records["raw"][0]["shim"], records["raw"][0]["raw"]],
+        "sharded resume time / raw I/O of the same bytes": [records["raw"][2]["shim"], records["raw"][2]["raw"]],
+        BACKGROUND_TARGETS[0]: [background["stall"], save["time"]],
+        BACKGROUND_TARGETS[1]: [background["stall_again"], save["time"]],
+        BACKGROUND_TARGETS[2]: background["beyond_copies"],
+        BACKGROUND_TARGETS[3]: [save["growth"], save["shard"], *by_name[BACKGROUND_TARGETS[3]]["of"][2:]],
+        BACKGROUND_TARGETS[4]: [background["growth"], background["shard"], *by_name[BACKGROUND_TARGETS[4]]["of"][2:]],
+        **{f"checksums: {r['kind']} {r['phase']} time added": [r["with"], r["without"]] for r in records["checksums"]},
+        "checksums: verify time / cold read of the same bytes": [verified["seconds"], verified["raw"]],
+        "import lightning_fsdp_resume after import wrapt": [imports["wrapt_and_shim"], imports["wrapt"]],
+        "import lightning_fsdp_resume imports neither torch nor Lightning": [imports["heavy_imported"]],
+    }
+    assert {name: by_name[name]["of"] for name in expected_of} == expected_of
+    assert all(not by_name[name]["of"] for name in RUN_TARGETS if "shim/native" in name)  # no native side given
+    # a smoke-sized state is below the size these targets are set for; the import's never pulls in torch
+    assert {by_name[name]["cells"]["met"] for name in SIZED_TARGETS} == {"not measured"}
+    assert by_name[RUN_TARGETS[-1]]["cells"]["met"] == "yes"
+    if remote:
+        assert [(r["phase"], r["kind"]) for r in records["remote"]] == [(phase, kind) for phase in ("save", "resume") for kind in ("sharded", "full")]
+        for row in records["remote"]:
+            assert row["disk"] == figures[(row["phase"], row["kind"])]["time"], row
+            assert _shows(row["cells"]["S3/disk"], row["s3"] / row["disk"]) and _shows(row["cells"]["S3/raw copy"], row["s3"] / row["raw"]), row
+    assert [p.name for p in work.iterdir()] == (["s3-server.log"] if remote else []), "the checkpoints of each run are removed after it"
 
 
 @long_runs
 def test_scaling_reports_each_size_a_fitted_line_and_a_plot(tmp_path):
-    plot = tmp_path / "scaling.png"
+    plot, records_at = tmp_path / "scaling.png", tmp_path / "records.json"
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--outputs", "1", "--use-orig-params", USE_ORIG_PARAMS,
-                   "--scaling", "2,4", "--repeats", "1", "--plot", str(plot), "--workdir", str(tmp_path / "work")],
-                  env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""}, timeout=BENCHMARK_TIMEOUT_S)
-    sizes, targets, fits = _tables(output)
-    assert len(sizes) == 2 and float(sizes[0]["state GB"]) <= float(sizes[1]["state GB"]), sizes
+                   "--scaling", "2,4", "--repeats", "1", "--plot", str(plot), "--workdir", str(tmp_path / "work"), "--json",
+                   str(records_at)], env={"LIGHTNING_FSDP_RESUME_NATIVE_PYTHON": ""}, timeout=BENCHMARK_TIMEOUT_S)
+    records = json.loads(records_at.read_text(encoding="utf-8"))
+    sizes, verdicts, fits = _tables(output)
+    rows = records["sizes"]
+    assert _printed(sizes) == [row["cells"] for row in rows] and _printed(fits) == [fit["cells"] for fit in records["fits"]]
+    assert [row["layers"] for row in rows] == [2, 4] and rows[0]["state"] < rows[1]["state"], rows
     series = ["shim save", "shim stall", "shim later stall", "shim resume", "shim consolidate", "raw write", "raw read"]
-    for row in sizes:
-        assert all(float(row[f"{name} s"]) >= 0 for name in series), row
-    assert [row["series"] for row in fits] == series
-    for row in targets:  # a smoke-sized state is below the size the raw I/O targets are set for
-        expected = "not measured" if "raw I/O" in row["target"] else "(yes|\\*\\*NO\\*\\*)"
-        assert all(re.fullmatch(rf".*: {expected}", row[column]) for column in row if column != "target"), row
-    predicted = next(column for column in fits[0] if column.startswith("predicted s at "))
-    assert predicted == "predicted s at 84 GB", fits[0]  # 7B parameters, fp32, Adam: 3 × 4 bytes each
-    if importlib.util.find_spec("matplotlib"):
+    assert [fit["series"] for fit in records["fits"]] == series
+    for row in rows:
+        assert all(row[name] >= 0 and _shows(row["cells"][f"{name} s"], row[name]) for name in series), row
+        assert _names(row["targets"]) == SCALING_TARGETS
+        for target in row["targets"]:
+            _agrees(target, row["state"])
+        raw_save, raw_resume = row["targets"][-2:]
+        assert raw_save["of"] == [row["shim save"], row["raw write"]] and raw_resume["of"] == [row["shim resume"], row["raw read"]]
+        assert {raw_save["cells"]["met"], raw_resume["cells"]["met"]} == {"not measured"}  # below the size they are set for
+    # the table of verdicts: a row a target, a column a size, each cell that size's figure and verdict
+    assert verdicts[0] == ["target", *(f"{row['state'] / 1e9:.2f} GB" for row in rows)]
+    assert verdicts[1:] == [[target["cells"]["target"], *(f"{row['targets'][index]['cells']['figure']}: {row['targets'][index]['cells']['met']}"
+                                                         for row in rows)] for index, target in enumerate(rows[0]["targets"])]
+    (x0, x1) = (row["state"] / 1e9 for row in rows)  # two sizes: the fitted line is the one through both
+    for fit in records["fits"]:
+        y0, y1 = (row[fit["series"]] for row in rows)
+        slope = (y1 - y0) / (x1 - x0)
+        assert (fit["b"], fit["a"]) == pytest.approx((slope, y0 - slope * x0), rel=1e-6, abs=1e-6), fit
+        assert fit["predicted"] == pytest.approx(fit["a"] + fit["b"] * fit["at GB"])
+        assert all(_shows(fit["cells"][column], fit[key]) for column, key in (("a s", "a"), ("b s/GB", "b"))), fit
+        assert _shows(fit["cells"][f"predicted s at {fit['at GB']:.0f} GB"], fit["predicted"]), fit
+    assert fits[0][-1] == "predicted s at 84 GB"  # 7B parameters, fp32, Adam: 3 × 4 bytes each
+    if importable("plot", "matplotlib"):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "No plot: matplotlib is not installed" in output and not plot.exists()
@@ -109,47 +222,80 @@ def test_scaling_reports_each_size_a_fitted_line_and_a_plot(tmp_path):
 
 @long_runs
 def test_rank_scaling_reports_each_rank_count_and_how_its_costs_grow(tmp_path):
+    records_at = tmp_path / "records.json"
     output = _run([sys.executable, str(BENCHMARK), "--width", "16", "--layers", "2", "--outputs", "1", "--use-orig-params",
-                   USE_ORIG_PARAMS, "--ranks", "2,3", "--repeats", "1"], timeout=BENCHMARK_TIMEOUT_S)
+                   USE_ORIG_PARAMS, "--ranks", "2,3", "--repeats", "1", "--json", str(records_at)], timeout=BENCHMARK_TIMEOUT_S)
+    records = json.loads(records_at.read_text(encoding="utf-8"))
     rows, checks = _tables(output)
-    assert [row["ranks"] for row in rows] == ["2", "3"]
-    for row in rows:
-        assert all(re.fullmatch(r"-?[0-9.]+ \(-?[0-9.]+–-?[0-9.]+\)", row[f"{column} s"])
-                   for column in ("save", "save beyond raw", "resume", "resume beyond raw")), row
-        assert all(re.fullmatch(r"-?[0-9]+ \(-?[0-9]+–-?[0-9]+\)", row[f"async save: {column} ms"])
-                   for column in ("later stall", "later stall beyond copy")), row
+    assert _printed(rows) == [row["cells"] for row in records["ranks"]] and _printed(checks) == [c["cells"] for c in records["checks"]]
+    assert [row["ranks"] for row in records["ranks"]] == [2, 3]
+    for row in records["ranks"]:
+        for column in ("save", "save beyond raw", "resume", "resume beyond raw"):
+            assert _shows(row["cells"][f"{column} s"], statistics.median(row[column])), row
+        for column in ("later stall", "later stall beyond copy"):
+            assert _shows(row["cells"][f"async save: {column} ms"], statistics.median(row[column]) * 1e3), row
     # each rank writes its own file, beside .metadata and meta.pt; each rank's piece of a tensor is an item
-    assert [int(row["files"]) for row in rows] == [4, 5]
-    assert int(rows[1]["DCP items"]) > int(rows[0]["DCP items"])
-    assert [row["grows no faster than the ranks"] for row in checks] == [
-        f"{column}: 3 ranks / 2" for column in ("save beyond raw", "resume beyond raw", "later stall beyond copy", "items",
-                                                "metadata")]
-    assert all(re.fullmatch(r"yes|\*\*NO\*\*", row["met"]) for row in checks), checks
-
-
-DATA_POSITION = Path(__file__).parent.parent / "benchmarks" / "data_position.py"
+    assert [row["files"] for row in records["ranks"]] == [4, 5]
+    assert records["ranks"][1]["items"] > records["ranks"][0]["items"]
+    columns = ("save beyond raw", "resume beyond raw", "later stall beyond copy", "items", "metadata")
+    assert [check["cells"]["grows no faster than the ranks"] for check in records["checks"]] == [f"{column}: 3 ranks / 2" for column in columns]
+    first, last = records["ranks"]
+    for check, column in zip(records["checks"], columns):
+        assert check["of"] == [statistics.median(row[column]) if isinstance(row[column], list) else row[column] for row in (last, first)]
+        assert check["limit"] == 3 / 2, check  # the ranks grew by that
+        _agrees(check, first["state"], figure="ratio")
 
 
 @pytest.mark.skipif(not PATCHABLE_TRAINERS, reason="the data position is the patched Trainer's (native Lightning has none)")
 def test_the_data_position_benchmark_reports_both_ways_and_its_target(tmp_path):
-    """One process, no ranks: a small epoch, each way's median and spread, and the ratio against its target."""
-    output = _run([sys.executable, str(DATA_POSITION), "--batches", "200", "--repeats", "3"])
-    (rows,) = _tables(output)
-    assert [row["way"] for row in rows] == ["left out by index (skip)", "loaded and dropped (replay)"]
-    assert all(re.fullmatch(r"[0-9.]+ s", row["median"]) and re.fullmatch(r"[0-9.]+–[0-9.]+ s", row["spread (min–max)"])
-               for row in rows)
-    assert re.search(r"skip / replay: [0-9.]+ \(target ≤ 0\.01\): (met|MISSED)", output)
+    """One process, no ranks: a small epoch, each way's median and spread, and the ratio of the medians against its
+    target, the verdict what they make it."""
+    record_at = tmp_path / "record.json"
+    output = _run([sys.executable, str(BENCHMARKS / "data_position.py"), "--batches", "200", "--repeats", "3", "--json", str(record_at)])
+    record = json.loads(record_at.read_text(encoding="utf-8"))
+    (table,) = _tables(output)
+    assert _printed(table) == [way["cells"] for way in record["ways"]]
+    assert [way["cells"]["way"] for way in record["ways"]] == ["left out by index (skip)", "loaded and dropped (replay)"]
+    for way in record["ways"]:
+        low, high = re.fullmatch(r"([0-9.]+)–([0-9.]+) s", way["cells"]["spread (min–max)"]).groups()
+        assert _shows(way["cells"]["median"], statistics.median(way["times"])), way
+        assert _shows(low, min(way["times"])) and _shows(high, max(way["times"])), way
+    skip, replay = (statistics.median(way["times"]) for way in record["ways"])
+    ratio, limit, verdict = re.search(r"skip / replay: ([0-9.]+) \(target ≤ ([0-9.]+)\): (met|MISSED)", output).groups()
+    assert _shows(ratio, skip / replay) and float(limit) == record["limit"], output
+    assert verdict == record["verdict"] == ("met" if skip / replay <= record["limit"] else "MISSED"), output
     assert "loaded and dropped the" not in output  # the replays' warnings are the table's, not lines of their own
 
 
-DATA_CURSOR = Path(__file__).parent.parent / "benchmarks" / "data_cursor.py"
+def test_the_ema_cost_benchmark_rows_agree_with_their_figures_and_targets(tmp_path):
+    """Two small models on 2 ranks, one step a repeat: each row's times are its slowest rank's, its ratios are made of
+    them and of each rank's memory, and its verdict is what they and the targets make it."""
+    rows_at = tmp_path / "rows.json"
+    output = _run([sys.executable, str(BENCHMARKS / "ema_cost.py"), "--sizes", "0.01,0.03", "--repeats", "3", "--steps", "1",
+                   "--json", str(rows_at)])
+    rows = json.loads(rows_at.read_text(encoding="utf-8"))
+    (table,) = _tables(output)
+    assert _printed(table) == [row["cells"] for row in rows]
+    assert [(row["cells"]["state"], len(row["ranks"])) for row in rows] == [("0.01 GB", 2), ("0.03 GB", 2)]
+    for row in rows:
+        steps, updates = ([max(times) for times in zip(*(rank[key] for rank in row["ranks"]))] for key in ("steps", "updates"))
+        assert (row["steps"], row["updates"]) == (steps, updates) and len(steps) == 3, row
+        assert _shows(row["cells"]["optimizer step"], statistics.median(steps)) and _shows(row["cells"]["EMA update"], statistics.median(updates))
+        ratio = statistics.median(updates) / statistics.median(steps)
+        memory = max(rank["grown"] / rank["shard_bytes"] for rank in row["ranks"])
+        shown_ratio, update_limit = re.fullmatch(r"(-?[0-9.]+) \(≤ ([0-9.]+)\)", row["cells"]["update / step"]).groups()
+        shown_memory, memory_limit, verdict = re.fullmatch(r"(-?[0-9.]+) \(≤ ([0-9.]+)\) (met|missed)",
+                                                           row["cells"]["average's memory / fp32 shard"]).groups()
+        assert _shows(shown_ratio, ratio) and _shows(shown_memory, memory), row
+        assert (float(update_limit), float(memory_limit)) == (row["update limit"], row["memory limit"]), row
+        assert verdict == row["verdict"] == ("met" if ratio <= row["update limit"] and memory <= row["memory limit"] else "missed"), row
 
 
 def test_the_data_cursor_benchmark_rows_agree_with_their_figures_and_targets(tmp_path):
     """A small epoch placed on 1 and 3 ranks: each row's share is the rest of the epoch over those ranks (the cursor)
     or of rank 0's own share (the walk), and each verdict is what its figures and the targets make it."""
     rows_at = tmp_path / "rows.json"
-    _run([sys.executable, str(DATA_CURSOR), "--size", "20000", "--ranks", "1,3", "--repeats", "1", "--json", rows_at])
+    _run([sys.executable, str(BENCHMARKS / "data_cursor.py"), "--size", "20000", "--ranks", "1,3", "--repeats", "1", "--json", rows_at])
     rows = json.loads(rows_at.read_text())
     assert [(row["ranks"], row["way"]) for row in rows] == [(1, "cursor"), (1, "walk"), (3, "cursor"), (3, "walk")]
     rest, per_rank = 20000 - 20000 * 9 // 10 // 16 * 16, 10000 - 20000 * 9 // 10 // 16 * 8
