@@ -58,15 +58,11 @@ def save_checkpoint(
         else:
             converted, into = (obj.state_dict() if _is_stateful(obj) else obj), metadata
         _keep(key, (filter or {}).get(key), converted, into)
-    background = _saving.in_background(self, asked=getattr(self, "_async_save", False))
-    if full:
-        # Rank 0 alone holds the gathered entries; only it writes.
-        write_full = _saving.write_full_in_background if background else _saving.write_full
-        write_full(self, path, {**stored, **metadata}, _saving.save_torch_file)
-    else:
-        optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
-        write_sharded = _saving.write_sharded_in_background if background else _saving.write_sharded
-        write_sharded(self, path, stored, metadata, module, optimizers, module_key)
+    optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
+    # full: rank 0 alone holds the gathered entries, and only it writes
+    saved = (_saving.Checkpoint(kind, {**stored, **metadata}, {}, (module, optimizers)) if full
+             else _saving.Checkpoint(kind, stored, metadata, (module, optimizers), model_key=module_key))
+    _saving.save(self, path, saved, background=getattr(self, "_async_save", False))
 
 
 def wrap_optimizer_step(original_optimizer_step: Callable) -> Callable:

@@ -4,7 +4,7 @@ store's publishing is the location's, ``_storage``). Nothing here knows about pa
 """
 import functools
 import secrets
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Tuple
 
 from . import _background, _ema, _format, _shard_layout, _shard_views, _storage
 from . import _torch_compat as compat
@@ -126,47 +126,68 @@ def with_rank_zeros_buffers(strategy: Any, model_state: Dict[str, Any]) -> Dict[
     return {name: value for name, value in model_state.items() if compat.is_shard(value)}
 
 
-def write_sharded(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any], module: Any,
-                  optimizers: Iterable[Any], model_key: str = _format.MODEL_KEY) -> None:
-    """Every rank writes its shards of ``stored`` and rank 0 ``metadata`` (``meta.pt``) into a hidden partial
-    sibling; rank 0 puts it at ``filepath`` once every rank has finished. The buffers of the model's entry
-    (``model_key``) are rank 0's (``with_rank_zeros_buffers``): the Trainer and Fabric save alike.
+def _save_torch_file(state: Dict[str, Any], path: Location) -> None:
+    """A full checkpoint's ``write`` where no ``CheckpointIO`` writes it: ``torch.save``, durable before it is published."""
+    checked.save_file(path, state)
 
-    Native 2.1.4 writes in place: a crash mid-save leaves a mix of old and new shards that loads. Here the
-    previous checkpoint at ``filepath`` stays intact until the new one is complete: on a local disk the partial
-    directory is renamed into place, at a URL its pointer is written (``_storage``).
 
-    ``module`` and ``optimizers``: what training changes (``write_sharded_in_background`` copies it).
-    """
-    path, partial = _sharded_destination(strategy, filepath, stored, model_key)
+class Checkpoint(NamedTuple):
+    """What one save writes. Sharded: every rank writes its shards of ``stored`` and rank 0 ``metadata`` (``meta.pt``);
+    the buffers of the model's entry (``model_key``) and of the average's are rank 0's (``with_rank_zeros_buffers``).
+    Full: ``stored`` is the whole checkpoint, gathered on rank 0, which ``write``s it. ``training``: the module and the
+    optimizers whose tensors training changes, which a save in the background copies before it returns."""
+
+    kind: _format.StateDictType
+    stored: Dict[str, Any]
+    metadata: Dict[str, Any]
+    training: Tuple[Any, Iterable[Any]]
+    write: Callable[[Dict[str, Any], Location], None] = _save_torch_file
+    model_key: str = _format.MODEL_KEY
+
+
+def save(strategy: Any, filepath: Any, checkpoint: Checkpoint, background: bool) -> None:
+    """Put ``checkpoint`` at ``filepath`` only once complete: the one save of both strategies. Written in the
+    background where it asks to be and can be (``in_background``), else before this returns.
+
+    Native 2.1.4 writes a sharded checkpoint in place: a crash mid-save leaves a mix of old and new shards that loads.
+    Here the previous checkpoint at ``filepath`` stays intact until the new one is complete: on a local disk the
+    partial sibling is renamed into place, at a URL its pointer is written (``_storage``)."""
+    writers = {(_format.SHARDED, False): _write_sharded, (_format.SHARDED, True): _write_sharded_in_background,
+               (_format.FULL, False): _write_full, (_format.FULL, True): _write_full_in_background}
+    writers[checkpoint.kind, in_background(strategy, background)](strategy, filepath, checkpoint)
+
+
+def _write_sharded(strategy: Any, filepath: Any, checkpoint: Checkpoint) -> None:
+    """Every rank writes its shards into a hidden partial sibling; rank 0 puts it at ``filepath`` once every rank
+    has finished."""
+    path, partial = _sharded_destination(strategy, filepath, checkpoint)
     with path.reported():
         partial.mkdir()
-        compat.save_distributed(stored, checked.writer(partial))
+        compat.save_distributed(checkpoint.stored, checked.writer(partial))
         barrier(strategy)  # every rank's shards are written
         # rank 0 finishes; the others wait for it and raise its error (a store that refused meta.pt, say) with it
-        decided_on_rank_zero(strategy, _publish_sharded, partial, path, metadata)
+        decided_on_rank_zero(strategy, _publish_sharded, partial, path, checkpoint.metadata)
 
 
-def write_sharded_in_background(strategy: Any, filepath: Any, stored: Dict[str, Any], metadata: Dict[str, Any],
-                                module: Any, optimizers: Iterable[Any], model_key: str = _format.MODEL_KEY) -> None:
-    """``write_sharded``, returning once the state is in host memory, where training cannot change it: the entries of
-    ``stored`` that share the storage of a tensor training changes (``module``'s and ``optimizers``',
-    ``training_tensors``) are copied, ``metadata`` all; a thread writes the shards, and rank 0 publishes once every
-    rank's are written (``_background``)."""
-    path, partial = _sharded_destination(strategy, filepath, stored, model_key)
+def _write_sharded_in_background(strategy: Any, filepath: Any, checkpoint: Checkpoint) -> None:
+    """``_write_sharded``, returning once the state is in host memory, where training cannot change it: the entries
+    of ``stored`` that share the storage of a tensor training changes (``training_tensors``) are copied, ``metadata``
+    all; a thread writes the shards, and rank 0 publishes once every rank's are written (``_background``)."""
+    path, partial = _sharded_destination(strategy, filepath, checkpoint)
     staged = _background.staging(strategy)
-    live = _background.Live(training_tensors(module, optimizers))
-    stored, metadata = _background.host_copy(stored, live, staged), _background.host_copy(metadata)
+    live = _background.Live(training_tensors(*checkpoint.training))
+    stored, metadata = _background.host_copy(checkpoint.stored, live, staged), _background.host_copy(checkpoint.metadata)
     group = _background.process_group(strategy)
     _background.start(strategy, path, functools.partial(_write_shards, partial, stored, group),
                       functools.partial(_publish_sharded, partial, path, metadata))
 
 
-def _sharded_destination(strategy: Any, filepath: Any, stored: Dict[str, Any], model_key: str) -> Tuple[Location, Location]:
+def _sharded_destination(strategy: Any, filepath: Any, checkpoint: Checkpoint) -> Tuple[Location, Location]:
     """Once the previous background save is written: the destination and its partial sibling, with rank 0's buffers
     in the model's entry and the average's."""
     _background.wait(strategy)
-    for key in (model_key, _format.EMA_KEY):  # the weights' and their average's (``_ema``)
+    stored = checkpoint.stored
+    for key in (checkpoint.model_key, _format.EMA_KEY):  # the weights' and their average's (``_ema``)
         if key in stored:
             stored[key] = with_rank_zeros_buffers(strategy, stored[key])
     return _destination(strategy, filepath, _format.SHARDED)
@@ -184,23 +205,23 @@ def _publish_sharded(partial: Location, path: Location, metadata: Dict[str, Any]
     path.remove_leftovers()
 
 
-def write_full(strategy: Any, filepath: Any, state: Dict[str, Any], write: Callable[[Dict[str, Any], Location], None]) -> None:
-    """Rank 0 ``write``s the whole checkpoint ``state`` to a hidden partial sibling and puts it at ``filepath``; the
-    other ranks wait for it, and raise its error with it."""
+def _write_full(strategy: Any, filepath: Any, checkpoint: Checkpoint) -> None:
+    """Rank 0 writes the whole checkpoint to a hidden partial sibling and puts it at ``filepath``; the other ranks wait
+    for it, and raise its error with it."""
     _background.wait(strategy)
     path, partial = _destination(strategy, filepath, _format.FULL)
     with path.reported():
-        decided_on_rank_zero(strategy, _publish_full, path, partial, functools.partial(write, state))
+        decided_on_rank_zero(strategy, _publish_full, path, partial, functools.partial(checkpoint.write, checkpoint.stored))
 
 
-def write_full_in_background(strategy: Any, filepath: Any, state: Dict[str, Any],
-                             write: Callable[[Dict[str, Any], Location], None]) -> None:
-    """``write_full``, where rank 0 writes a copy of ``state`` in a thread, and every rank goes on at once."""
+def _write_full_in_background(strategy: Any, filepath: Any, checkpoint: Checkpoint) -> None:
+    """``_write_full``, where rank 0 writes a copy of the checkpoint in a thread, and every rank goes on at once."""
     _background.wait(strategy)
     path, partial = _destination(strategy, filepath, _format.FULL)
     on_rank_zero = _nothing
     if strategy.global_rank == 0:  # the only rank that holds the gathered state
-        on_rank_zero = functools.partial(_publish_full, path, partial, functools.partial(write, _background.host_copy(state)))
+        write = functools.partial(checkpoint.write, _background.host_copy(checkpoint.stored))
+        on_rank_zero = functools.partial(_publish_full, path, partial, write)
     _background.start(strategy, path, on_rank_zero, _nothing)
 
 
@@ -211,11 +232,6 @@ def _nothing() -> None:
 def _publish_full(path: Location, partial: Location, write: Callable[[Location], None]) -> None:
     path.write_file(partial, write)
     path.remove_leftovers()
-
-
-def save_torch_file(state: Dict[str, Any], path: Location) -> None:
-    """A full checkpoint's ``write``: ``torch.save`` of ``state``, durable before it is published."""
-    checked.save_file(path, state)
 
 
 def _destination(strategy: Any, filepath: Any, kind: _format.StateDictType) -> Tuple[Location, Location]:

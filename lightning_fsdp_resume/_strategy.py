@@ -118,21 +118,21 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     if states is not None:
         checkpoint[_rank_states.KEY] = states
     io = _plain_io(self)
-    background = _saving.in_background(self, asked=_asks_for_background(self))
     average = _ema.of(self.lightning_module)
     average = average if average is not None and average.ready and not average.swapped else None
-    if _saving.state_dict_type(self) == _format.FULL:
+    kind = _saving.state_dict_type(self)
+    if kind == _format.FULL:
         if average is not None:  # gathered as the weights are, to rank 0
             checkpoint[_format.EMA_STATE_KEY] = average.gathered(self.model, lambda: lightning_module_state_dict(self), _prefix(self))
         # a str: Lightning's CheckpointIO opens a URL with fsspec, a local path as it is
         write = lambda state, partial: io.save_checkpoint(state, str(partial))  # noqa: E731
-        (_saving.write_full_in_background if background else _saving.write_full)(self, filepath, checkpoint, write)
-        return
-    stored = _stored(checkpoint, keep_optimizer_states=False)
-    if average is not None:
-        stored[_format.EMA_KEY] = average.sharded_state(self.model, _prefix(self))
-    write_sharded = _saving.write_sharded_in_background if background else _saving.write_sharded
-    write_sharded(self, filepath, stored, checkpoint, self.model, self.optimizers)
+        saved = _saving.Checkpoint(kind, checkpoint, {}, (self.model, self.optimizers), write)
+    else:
+        stored = _stored(checkpoint, keep_optimizer_states=False)
+        if average is not None:
+            stored[_format.EMA_KEY] = average.sharded_state(self.model, _prefix(self))
+        saved = _saving.Checkpoint(kind, stored, checkpoint, (self.model, self.optimizers))
+    _saving.save(self, filepath, saved, background=_asks_for_background(self))
 
 
 def _asks_for_background(self: Any) -> bool:
