@@ -7,11 +7,8 @@ import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from . import _torch_compat as compat
+from ._held import StrategyHeld, held, peek
 from ._ranks import describe, failures
-
-_PENDING = "_lightning_fsdp_resume_pending_save"  # on the strategy: this rank's save in the background
-_GROUP = "_lightning_fsdp_resume_save_group"  # on the strategy: the background threads' process group
-_STAGING = "_lightning_fsdp_resume_staging"  # on the strategy: the host buffers its saves in the background copy into
 
 
 class BackgroundSaveError(RuntimeError):
@@ -58,7 +55,7 @@ def start(strategy: Any, path: Any, write: Callable[[], Any], publish: Callable[
         for action in after:
             action()
 
-    vars(strategy)[_PENDING] = pending
+    held(strategy, StrategyHeld).pending_save = pending
     pending.thread = threading.Thread(target=run, name=f"lightning_fsdp_resume: saving {path}")
     pending.thread.start()
     begun.set()
@@ -66,9 +63,10 @@ def start(strategy: Any, path: Any, write: Callable[[], Any], publish: Callable[
 
 def wait(strategy: Any) -> None:
     """Wait for this rank's save in the background, if any, and raise its failure (every rank raises it)."""
-    pending = vars(strategy).pop(_PENDING, None)
-    if pending is None:
+    kept = peek(strategy, StrategyHeld)
+    if kept is None or kept.pending_save is None:
         return
+    pending, kept.pending_save = kept.pending_save, None
     assert pending.thread is not None
     pending.thread.join()
     if pending.failure is not None:
@@ -81,7 +79,8 @@ def wait(strategy: Any) -> None:
 
 def after_publish(strategy: Any, action: Callable[[], None]) -> None:
     """Run ``action`` once the save in the background is published (now, if none is pending); never if it fails."""
-    pending = vars(strategy).get(_PENDING)
+    kept = peek(strategy, StrategyHeld)
+    pending = None if kept is None else kept.pending_save
     if pending is not None:
         with pending.lock:
             if not pending.finished:
@@ -97,12 +96,12 @@ def process_group(strategy: Any) -> Any:
     it: a collective, which every rank reaches at the same save."""
     if not compat.distributed():
         return None
-    group = vars(strategy).get(_GROUP)
-    if group is None:
+    kept = held(strategy, StrategyHeld)
+    if kept.save_group is None:
         import torch.distributed as dist
 
-        group = vars(strategy)[_GROUP] = dist.new_group(backend="gloo")
-    return group
+        kept.save_group = dist.new_group(backend="gloo")
+    return kept.save_group
 
 
 def _first(found: Dict[int, BaseException]) -> Optional[str]:
@@ -241,10 +240,10 @@ def _host_buffer(nbytes: int, device: str, touched: bool) -> Any:
 
 
 def _staging(strategy: Any) -> Staging:
-    kept = vars(strategy).get(_STAGING)
-    if kept is None:
-        kept = vars(strategy)[_STAGING] = Staging()
-    return kept
+    kept = held(strategy, StrategyHeld)
+    if kept.staging is None:
+        kept.staging = Staging()
+    return kept.staging
 
 
 def staging(strategy: Any) -> Staging:
@@ -269,16 +268,19 @@ def prepare(strategy: Any, optimizer: Any, tensors: Callable[[], Iterable[Any]])
 def prepare_also(strategy: Any, tensors: Callable[[], Iterable[Any]]) -> None:
     """Where saves in the background have host buffers made (``prepare``), buffers for ``tensors()`` too: state that
     comes into being after the optimizers' first steps (``ShardedEMA``'s average, at its first update)."""
-    kept = vars(strategy).get(_STAGING)
-    if kept is not None:
-        kept.prepare(Live(tensors()))
+    kept = peek(strategy, StrategyHeld)
+    if kept is not None and kept.staging is not None:
+        kept.staging.prepare(Live(tensors()))
 
 
 def release(strategy: Any) -> None:
     """The host buffers of saves in the background given back (at the end of a run), once the last save is written."""
-    kept = vars(strategy).pop(_STAGING, None)
-    if kept is not None and kept.preparing is not None:
-        kept.preparing.join()
+    kept = peek(strategy, StrategyHeld)
+    if kept is None or kept.staging is None:
+        return
+    staging, kept.staging = kept.staging, None
+    if staging.preparing is not None:
+        staging.preparing.join()
 
 
 def host_copy(obj: Any, live: Optional[Live] = None, staged: Optional[Staging] = None) -> Any:

@@ -8,14 +8,13 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from . import _rank_states
+from ._held import SETTINGS
 
 log = logging.getLogger(__name__)
 
 SKIP, REPLAY, LIGHTNING = "skip", "replay", "lightning"
 MODES = (SKIP, REPLAY, LIGHTNING)
-_mode = SKIP
 EXACT, APPROXIMATE = "exact", "approximate"  # on another number of ranks, data without a cursor: refused, or not exact
-_other_rank_counts = EXACT
 
 # The attributes of a DataLoader where torch keeps the generators its iterator and its sampler draw from
 _GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.generator", "batch_sampler.sampler.generator")
@@ -24,20 +23,19 @@ _GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.generator",
 def set_mode(mode: str, other_rank_counts: str = EXACT) -> None:
     """``skip``, ``replay`` or ``lightning``, and ``exact`` or ``approximate``: see
     ``lightning_fsdp_resume.set_mid_epoch_resume``."""
-    global _mode, _other_rank_counts
     if mode not in MODES:
         raise ValueError(f"set_mid_epoch_resume({mode!r}): the mode is one of {', '.join(map(repr, MODES))}.")
     if other_rank_counts not in (EXACT, APPROXIMATE):
         raise ValueError(f"set_mid_epoch_resume(other_rank_counts={other_rank_counts!r}): it is 'exact' or 'approximate'.")
-    _mode, _other_rank_counts = mode, other_rank_counts
+    SETTINGS.mid_epoch, SETTINGS.other_rank_counts = mode, other_rank_counts
 
 
 def approximate() -> bool:
-    return _other_rank_counts == APPROXIMATE
+    return SETTINGS.other_rank_counts == APPROXIMATE
 
 
 def mode() -> str:
-    return _mode
+    return SETTINGS.mid_epoch
 
 
 def generators(loader: Any) -> Dict[str, Any]:
@@ -141,7 +139,7 @@ def _shorter(saved: Dict[str, Any], found: int) -> ValueError:
 
 def _how(loaders: Sequence[Any], saved: Dict[str, Any]) -> str:
     """By index where that is exact, else from the loaders' own states where every one has one, else by loading."""
-    if _mode == SKIP and len(loaders) == 1 and _index_sampled(loaders[0]):
+    if mode() == SKIP and len(loaders) == 1 and _index_sampled(loaders[0]):
         return "indices"
     if loaders and all(stateful(loader) for loader in loaders) and all(s is not None for s in saved["loaders"]):
         return "state"
@@ -149,7 +147,7 @@ def _how(loaders: Sequence[Any], saved: Dict[str, Any]) -> str:
 
 
 def _why_replayed(loaders: Sequence[Any]) -> str:
-    if _mode == REPLAY:
+    if mode() == REPLAY:
         return "set_mid_epoch_resume('replay')"
     if len(loaders) != 1:
         return f"{len(loaders)} train dataloaders"

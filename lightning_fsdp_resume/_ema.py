@@ -4,30 +4,30 @@ with no gathering; beside them, an average (or copy) of each persistent buffer, 
 keeps to itself, as the buffers are. ``ShardedEMA`` (``ema``) keeps one; the strategy saves and loads it, each
 rank's buffers through ``_rank_states``. torch is imported inside.
 """
-import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import _format, _shard_layout, _shard_views
+from ._held import ModuleHeld, held, peek
 from ._shard_layout import FlatShard
-
-# LightningModule -> its average, for the strategy's saves and loads (the module outlives its Trainers)
-_AVERAGES: "weakref.WeakKeyDictionary[Any, Average]" = weakref.WeakKeyDictionary()
 
 
 def attach(module: Any, average: "Average") -> None:
-    """``average`` is ``module``'s (a LightningModule): its saves carry it and its loads restore it."""
-    other = _AVERAGES.get(module)
+    """``average`` is ``module``'s (a LightningModule, which outlives its Trainers, keeps it in its ``ModuleHeld``):
+    its saves carry it and its loads restore it."""
+    kept = held(module, ModuleHeld)
+    other = kept.average
     if other is not None and other is not average:
         raise ValueError(
             f"Two ShardedEMA callbacks average {type(module).__name__}'s weights: a checkpoint carries one average."
             " Keep one ShardedEMA in the Trainer's callbacks."
         )
-    _AVERAGES[module] = average
+    kept.average = average
 
 
 def of(module: Any) -> Optional["Average"]:
     """The average attached to ``module`` (a LightningModule; None: a strategy used without one), if any."""
-    return None if module is None else _AVERAGES.get(module)
+    kept = None if module is None else peek(module, ModuleHeld)
+    return None if kept is None else kept.average
 
 
 def tensors_in(model: Any) -> Iterator[Any]:
@@ -46,9 +46,9 @@ def buffers_in(model: Any) -> Dict[str, Any]:
 
 def _attached_in(model: Any) -> Iterator["Average"]:
     for module in model.modules():
-        average = _AVERAGES.get(module)
-        if average is not None:
-            yield average
+        kept = peek(module, ModuleHeld)
+        if kept is not None and kept.average is not None:
+            yield kept.average
 
 
 class Average:

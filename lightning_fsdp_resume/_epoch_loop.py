@@ -2,39 +2,23 @@
 on any number of ranks. Methods of Lightning 2.0.x's ``_TrainingEpochLoop`` and of its checkpoint connector, which
 keeps every rank's data position and the run's data cursor in a checkpoint entry of their own."""
 import contextlib
-import dataclasses
 import functools
 import logging
 import warnings
 from typing import Any, Callable, Dict, Iterator, Optional
 
 from . import _data_cursor, _data_position, _rank_states, _ranks
+from ._held import LoopHeld, held
 
 log = logging.getLogger(__name__)
 ENTRY = "data_position"  # the checkpoint's entry: every rank's position and the run's data cursor
 _LEGACY = "lightning_fsdp_resume_data_position"  # where earlier releases kept the positions: in the loop's state
-_STATE = "_lightning_fsdp_resume"  # the one attribute this package keeps on Lightning's epoch loop: a _LoopState
 _STOCK_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 END, INSIDE = "end", "inside"  # where a save made during a validation was made: at its end, or inside it
 
 
-@dataclasses.dataclass
-class _LoopState:
-    start: Optional[Dict[str, Any]] = None  # this rank's random states as the epoch's data iterator was made
-    pending: Optional[Dict[str, Any]] = None  # this rank's position in the checkpoint being resumed
-    end_of_batch: bool = False  # the saved batch was trained, its end was not run
-    validation: Optional[bool] = None  # the validation due after it: run (it was interrupted), skip (it ran) or as due
-    segment: Optional[Dict[str, int]] = None  # where this epoch's data order stands (``_data_cursor``)
-    put_back: Optional[tuple] = None  # Lightning's epoch length and validation interval, changed for a resumed epoch
-    stock: bool = False  # this epoch resumes as Lightning resumes it
-    rng_after_validation: Optional[Dict[str, Any]] = None  # the saved random states, again once that validation ran
-
-
-def _state(loop: Any) -> _LoopState:
-    state = vars(loop).get(_STATE)
-    if state is None:
-        state = vars(loop)[_STATE] = _LoopState()
-    return state
+def _state(loop: Any) -> LoopHeld:
+    return held(loop, LoopHeld)
 
 
 def _on(self: Any = None) -> bool:

@@ -4,6 +4,7 @@ epoch loop. Each table names its target; its rows are built only when a flavour 
 """
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
+from ._held import LoopHeld, ModuleHeld, StrategyHeld
 from ._patcher import Wrap
 from ._versions import FABRIC, TRAINER
 
@@ -13,12 +14,13 @@ Rows = Mapping[str, Any]  # attribute -> replacement, or a Wrap built from the a
 class PatchTable:
     """What the shim puts on one class (or module) of every 2.0.x flavour of one kind."""
 
-    def __init__(self, kind: str, module: str, cls: Optional[str], build: Callable[[], Rows]) -> None:
+    def __init__(self, kind: str, module: str, cls: Optional[str], build: Callable[[], Rows], held: Optional[type] = None) -> None:
         self.kind = kind  # TRAINER or FABRIC: the flavours it applies to
         self.module = module  # below the flavour's package, e.g. "strategies.fsdp"
         self.cls = cls  # e.g. "FSDPStrategy"; None: the module itself, whose functions are patched where it binds them
         self._build = build
         self._rows: Optional[Rows] = None
+        self.held = held  # what its patched methods keep on an instance: a dataclass of ``_held``; None: nothing
 
     @property
     def name(self) -> str:
@@ -47,12 +49,12 @@ class PatchTable:
 TABLES: List[PatchTable] = []  # every table below, in the order status() names them
 
 
-def patches(kind: str, module: str, cls: Optional[str] = None) -> Callable[[Callable[[], Rows]], PatchTable]:
+def patches(kind: str, module: str, cls: Optional[str] = None, held: Optional[type] = None) -> Callable[[Callable[[], Rows]], PatchTable]:
     """Declares the function below, which builds the rows, as the table of ``module``'s ``cls`` (or of ``module``
-    itself) in each flavour of ``kind``."""
+    itself) in each flavour of ``kind``, and what its methods keep on an instance of ``cls`` (``held``)."""
 
     def declare(build: Callable[[], Rows]) -> PatchTable:
-        TABLES.append(PatchTable(kind, module, cls, build))
+        TABLES.append(PatchTable(kind, module, cls, build, held))
         return TABLES[-1]
 
     return declare
@@ -63,7 +65,7 @@ def tables_for(kind: str) -> Tuple[PatchTable, ...]:
     return tuple(table for table in TABLES if table.kind == kind)
 
 
-@patches(TRAINER, "strategies.fsdp", "FSDPStrategy")
+@patches(TRAINER, "strategies.fsdp", "FSDPStrategy", held=StrategyHeld)
 def FSDP_STRATEGY_PATCHES() -> Rows:
     from . import _strategy
 
@@ -96,7 +98,7 @@ def FSDP_STRATEGY_PATCHES() -> Rows:
     }
 
 
-@patches(FABRIC, "strategies.fsdp", "FSDPStrategy")
+@patches(FABRIC, "strategies.fsdp", "FSDPStrategy", held=StrategyHeld)
 def FABRIC_FSDP_STRATEGY_PATCHES() -> Rows:
     from . import _fabric
 
@@ -161,7 +163,7 @@ def TRAINER_PATCHES() -> Rows:
     return {name: Wrap(_strategy.wrap_entry) for name in ("fit", "validate", "test", "predict")}
 
 
-@patches(TRAINER, "core.module", "LightningModule")
+@patches(TRAINER, "core.module", "LightningModule", held=ModuleHeld)
 def MODULE_PATCHES() -> Rows:
     from . import _strategy
 
@@ -182,7 +184,7 @@ def MODEL_CHECKPOINT_PATCHES() -> Rows:
 
 
 # A resume inside an epoch goes on from the batch after the checkpoint's, with any strategy (the loop is shared)
-@patches(TRAINER, "loops.training_epoch_loop", "_TrainingEpochLoop")
+@patches(TRAINER, "loops.training_epoch_loop", "_TrainingEpochLoop", held=LoopHeld)
 def EPOCH_LOOP_PATCHES() -> Rows:
     from . import _epoch_loop
 

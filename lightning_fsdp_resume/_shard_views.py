@@ -7,10 +7,9 @@ import weakref
 from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
 
 from . import _shard_layout
+from ._held import ModuleHeld, held
 from ._ranks import everyone
 from ._shard_layout import FlatShard, Piece
-
-_BUILT = "_lightning_fsdp_resume_built"  # on the root module: what its last sharded state dicts were built of
 
 
 class UnknownLayout(Exception):
@@ -40,8 +39,10 @@ class _Reuse:
 def _reusing(model: Any, kind: Any, build: Callable[["_Reuse"], Dict[str, Any]]) -> Dict[str, Any]:
     """``build(reuse)``, with the ``ShardedTensor``s ``model``'s last build of ``kind`` made (a name, or an optimizer:
     kept while it lives)."""
-    built = vars(model).setdefault(_BUILT, {"optimizers": weakref.WeakKeyDictionary()})
-    kept = built["optimizers"] if not isinstance(kind, str) else built
+    built = held(model, ModuleHeld)  # what the root module's last sharded state dicts were built of
+    if built.optimizer_views is None:
+        built.optimizer_views = weakref.WeakKeyDictionary()
+    kept = built.optimizer_views if not isinstance(kind, str) else built.views
     reuse = _Reuse(kept.get(kind, {}))
     state = build(reuse)
     kept[kind] = reuse.now

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Optional
 
 from . import _background, _ema, _format, _lightning_reads, _loading, _preflight, _rank_states, _ranks, _saving, _signature, _storage
 from . import _torch_compat as compat
+from ._held import ModuleHeld, StrategyHeld, held, peek
 from ._storage import Location
 
 OLD_TORCH_ERROR = (
@@ -20,29 +21,23 @@ def wrap_init(original_init: Callable) -> Callable:
     return _signature.wrap_init(original_init, default="full", old_torch_error=OLD_TORCH_ERROR)
 
 
-# Where a LightningModule keeps the FSDP root its first run wrapped it in: in its own ``__dict__`` (not as a
-# submodule), because the weights of the root unit live in that root's flat parameters.
-_ROOT_ATTRIBUTE = "_lightning_fsdp_resume_root"
-# Where load_checkpoint leaves the rank states of the checkpoint fit resumes, for on_train_start
-_PENDING_RANK_STATES = "_lightning_fsdp_resume_rank_states"
-
-
 def wrap_setup_model(original_setup_model: Callable) -> Callable:
     """Wrap a LightningModule in FSDP once; every later ``fit``/``validate``/``test``/``predict`` of any Trainer
     in the same processes runs the same sharded model.
 
-    Lightning 2.0.x wraps anew on every run: its sub-units are FSDP units already and the root unit's weights
-    sit in the earlier root's flat parameters, so the new root holds none of them and loads fail (native 2.1
-    fails the same way, upstream #20373).
+    The LightningModule keeps that root in its ``ModuleHeld`` (not as a submodule: no state-dict keys), because the
+    weights of the root unit live in the root's flat parameters. Lightning 2.0.x wraps anew on every run: its
+    sub-units are FSDP units already and the root unit's weights sit in the earlier root's flat parameters, so the new
+    root holds none of them and loads fail (native 2.1 fails the same way, upstream #20373).
     """
 
     @functools.wraps(original_setup_model)
     def _setup_model(self: Any, model: Any) -> Any:
         lightning_module = self.lightning_module
-        root = vars(lightning_module).get(_ROOT_ATTRIBUTE)
+        kept = held(lightning_module, ModuleHeld)
+        root = kept.fsdp_root
         if root is None:
-            root = original_setup_model(self, model)
-            object.__setattr__(lightning_module, _ROOT_ATTRIBUTE, root)  # not a submodule: no state-dict keys
+            root = kept.fsdp_root = original_setup_model(self, model)  # not a submodule: no state-dict keys
             return root
         wanted = bool(self.kwargs.get("use_orig_params", False))
         if compat.uses_orig_params(root) != wanted:
@@ -208,7 +203,7 @@ def load_checkpoint(self: Any, checkpoint_path: Any, weights_only: Optional[bool
             # the generators when training starts (on_train_start): Lightning 2.0.x before 2.0.9 draws a random
             # number between here and then (iter(dataloader) in setup_data), which the uninterrupted run drew
             # before it saved
-            vars(self)[_PENDING_RANK_STATES] = states
+            held(self, StrategyHeld).rank_states = states
     return rest
 
 
@@ -251,8 +246,9 @@ def wrap_on_train_start(original_on_train_start: Callable) -> Callable:
     @functools.wraps(original_on_train_start)
     def on_train_start(self: Any) -> None:
         original_on_train_start(self)
-        states = vars(self).pop(_PENDING_RANK_STATES, None)
-        if states is not None:
+        kept = peek(self, StrategyHeld)
+        if kept is not None and kept.rank_states is not None:
+            states, kept.rank_states = kept.rank_states, None
             _rank_states.restore_rng(states)
 
     return on_train_start

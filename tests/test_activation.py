@@ -117,8 +117,10 @@ def test_import_imports_neither_torch_nor_lightning(probe):
 
 
 def test_import_registers_the_tables_without_loading_what_they_put(probe):
+    """The tables and what they declare (``_held``'s dataclasses) load; the methods they put, not before a flavour is
+    patched."""
     loaded = ast.literal_eval(probe("bare").splitlines()[1])
-    assert set(loaded) <= {f"lightning_fsdp_resume.{name}" for name in ("_patcher", "_patches", "_versions")}
+    assert set(loaded) <= {f"lightning_fsdp_resume.{name}" for name in ("_patcher", "_patches", "_versions", "_held")}
 
 
 def test_each_kind_of_flavour_has_one_table_per_patched_class_or_module():

@@ -180,3 +180,37 @@ def test_the_release_rule_sees_what_it_forbids(tmp_path):
     calls = dict(_calls(module))
     assert "compat.torch_release" in calls
     assert _names_in(calls["hasattr"].args[0]) & {"torch"}
+
+
+def _stashes(path: Path):
+    """Each place the module at ``path`` writes into an object's ``vars()`` (an item set, ``setdefault``, ``pop``,
+    ``update``, ``clear``) or rebinds a module global (``global``): state no declaration shows."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Global):
+            yield f"global {', '.join(node.names)}"
+        written = [t.value for t in getattr(node, "targets", []) if isinstance(t, ast.Subscript)]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "setdefault", "pop", "update", "clear", "__setitem__"):
+            written.append(node.func.value)
+        yield from ("vars() written" for value in written
+                    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "vars")
+
+
+def test_what_the_package_keeps_on_objects_it_does_not_own_is_declared_in_held():
+    """Only ``_held`` writes into an object's ``vars()``: a strategy, the epoch loop and a module each carry one
+    dataclass of it, which a patch table declares; the process's settings are ``_held.SETTINGS``, not module globals
+    (``__init__`` keeps whether patching is on)."""
+    found = [f"{name}: {stash}" for name, path in modules().items() if name not in ("_held", "__init__")
+             for stash in _stashes(path)]
+    assert not found, found
+    from lightning_fsdp_resume import _held, _patches
+
+    holders = {cls for cls in vars(_held).values() if isinstance(cls, type) and cls.__module__ == _held.__name__}
+    assert {table.held for table in _patches.TABLES if table.held} == holders - {_held.Settings}
+
+
+def test_the_stash_rule_sees_what_it_forbids(tmp_path):
+    module = tmp_path / "stashing.py"
+    module.write_text("def f(obj):\n    global _mode\n    vars(obj)['k'] = 1\n    vars(obj).setdefault('k', {})\n"
+                      "    vars(obj).pop('k', None)\n    return vars(obj).get('k')\n")
+    assert list(_stashes(module)) == ["global _mode", "vars() written", "vars() written", "vars() written"]

@@ -35,6 +35,9 @@ class Location:
     # that each can check a share of it for all; at an object store each downloads a copy of its own.
     one_copy = False
 
+    # What ``once`` has read through this location, by key (made at its first read)
+    _once: Optional[Dict[Any, Any]] = None
+
     # --- what a path answers ---
     def __truediv__(self, name: str) -> "Location":
         """The entry ``name`` of this directory: the same location each time it is asked (its ``once`` reads too),
@@ -114,7 +117,9 @@ class Location:
     def once(self, key: Any, read: Callable[[], Any]) -> Any:
         """``read()`` the first time ``key`` is asked of this location, its result after: a load checks a checkpoint
         and then loads it through one location, reading each file once (at a URL, each read is a request)."""
-        done = vars(self).setdefault("_once", {})
+        if self._once is None:
+            self._once = {}
+        done = self._once
         if key not in done:
             done[key] = read()
         return done[key]
