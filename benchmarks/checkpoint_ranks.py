@@ -137,9 +137,10 @@ def host_buffers_ahead(strategy):
     """How long this rank waited for the thread making the host buffers for its saves in the background (made after
     the first optimizer step; a run's first save after many steps finds them made), and their bytes: memory such a
     save holds that its phase's growth no longer shows. (0, 0) for a synchronous run."""
-    from lightning_fsdp_resume import _background
+    from lightning_fsdp_resume._held import StrategyHeld, peek
 
-    staging = vars(strategy).get(_background._STAGING)
+    kept = peek(strategy, StrategyHeld)
+    staging = None if kept is None else kept.staging
     if staging is None:
         return 0.0, 0
     start = time.perf_counter()

@@ -8,8 +8,9 @@ import logging
 import pytest
 import torch
 
-from lightning_fsdp_resume import _saving, _shard_views, _whole_read
+from lightning_fsdp_resume import _saving, _whole_read
 from lightning_fsdp_resume import _torch_compat as compat
+from lightning_fsdp_resume._held import ModuleHeld, held
 from lightning_fsdp_resume._storage import checked, open_path
 from support.flavours import NATIVE
 from support.marks import needs_cpu_fsdp, skip_without_optimizer_state
@@ -155,5 +156,5 @@ def test_a_later_save_builds_no_view_again_of_what_training_changes_in_place(pro
     assert_identical({name: _whole(values["exp_avg"]) for name, values in expected.items()},
                      {name: _whole(values["exp_avg"]) for name, values in replaced.items()}, "the replaced state")
     views = [value for values in replaced.values() for value in values.values() if hasattr(value, "local_shards")]
-    kept = vars(model)[_shard_views._BUILT]["optimizers"][optimizer].values()  # what the next save may reuse
+    kept = held(model, ModuleHeld).optimizer_views[optimizer].values()  # what the next save may reuse
     assert sorted(map(id, kept)) == sorted(map(id, views)), "views of the replaced states are still held"
