@@ -178,7 +178,7 @@ def data(width: int, outputs: int) -> torch.utils.data.DataLoader:
 def without_checksums() -> None:
     """The shim as it would be without checksums: saves hash nothing and write no manifest, reads check nothing (the
     benchmark's baseline for their cost; the package itself has no such switch)."""
-    from lightning_fsdp_resume import _checksums
+    from lightning_fsdp_resume import _checksums, _zip_checks
     from lightning_fsdp_resume._storage import _checked
 
     _checked._summing = lambda storage, location: storage
@@ -192,8 +192,8 @@ def without_checksums() -> None:
 
     _checked._whole = index_alone
     _checked.seal = lambda location, ranges: None
-    _checksums.check_torch_file = lambda source, name, share=(0, 1): None
-    _checksums.check_zip = lambda source, name, share=(0, 1): None
+    _zip_checks.check_torch_file = lambda source, name, share=(0, 1): None
+    _zip_checks.check_zip = lambda source, name, share=(0, 1): None
 
 
 def main(argv=None) -> None:

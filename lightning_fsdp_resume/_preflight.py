@@ -3,7 +3,7 @@ is refused with the path, what was found and what to do. Nothing here writes to 
 """
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
-from . import _checksums, _format
+from . import _checksums, _format, _zip_checks
 from ._ranks import describe
 from ._storage import Location, checked
 from ._unpickling import UnsafeCheckpointError
@@ -59,7 +59,7 @@ def _check_sharded(path: Location) -> None:
         raise ValueError(f"The sharded checkpoint {str(path)!r} has no shard index {_INDEX!r}." + incomplete)
     sums = checked.sums(path)
     if sums is None:
-        _checksums.unchecked(str(path))
+        _zip_checks.unchecked(str(path))
     else:  # every file the save wrote, at the size it wrote: a truncated or swapped one is refused before any read
         for relative, file_sums in sums.items():
             file_sums.check_size(listed_size(path, files, relative))

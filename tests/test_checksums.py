@@ -201,7 +201,7 @@ def test_the_crc32_is_zips_own_and_the_fast_one_where_it_is_installed():
 def test_shares_of_a_full_file_check_each_record_exactly_once(checkpoints, tmp_path):
     """The ranks of a node split a full file's CRC-32s (``check_zip``'s share k of n): a flipped bit in any record is
     found by exactly one share, for every n, and by none once it is undone."""
-    from lightning_fsdp_resume._checksums import check_zip
+    from lightning_fsdp_resume._zip_checks import check_zip
 
     full = Path(shutil.copyfile(checkpoints["full"], tmp_path / "full.ckpt"))
 
@@ -284,10 +284,10 @@ def _loaded_mapping(directory: Path, state: dict, monkeypatch) -> "tuple[dict, l
     from lightning_fsdp_resume import _torch_compat as compat
 
     mapped: list = []
-    original = _checksums._mapped
+    original = _checksums.mapped
     target = {name: torch.zeros_like(value) for name, value in state.items()}
     with monkeypatch.context() as patch:
-        patch.setattr(_checksums, "_mapped", lambda raw, offset=0, length=0: mapped.append(length) or original(raw, offset, length))
+        patch.setattr(_checksums, "mapped", lambda raw, offset=0, length=0: mapped.append(length) or original(raw, offset, length))
         compat.load_distributed(target, _storage.checked.reader(_storage.open_path(directory, "load")))
     return target, mapped
 

@@ -8,7 +8,7 @@ import functools
 import io
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
-from .. import _checksums, _format, _unpickling
+from .. import _checksums, _format, _unpickling, _zip_checks
 from .. import _torch_compat as compat
 from .._checksums import Range, Sums
 from .._ranks import agree
@@ -109,8 +109,8 @@ def load_member(location: Location, relative: str) -> Any:
 
     def load() -> Any:
         data = read(location, relative)
-        if sums(location) is None and _checksums.is_zip(data[:4]):
-            _checksums.check_zip(io.BytesIO(data), str(member))
+        if sums(location) is None and _zip_checks.is_zip(data[:4]):
+            _zip_checks.check_zip(io.BytesIO(data), str(member))
         return _unpickling.torch_load(io.BytesIO(data), trusted=location.trusted, name=repr(str(member)))
 
     return member.once("load", load)
@@ -152,7 +152,7 @@ def check_file_together(location: Location, share: Tuple[int, int]) -> bool:
     error: Optional[BaseException] = None
     if location.one_copy:
         try:
-            _checksums.check_torch_file(location.load_source(), str(location), share)
+            _zip_checks.check_torch_file(location.load_source(), str(location), share)
         except Exception as found:  # the other ranks must hear of it rather than load
             error = found
     agree(error)
@@ -173,7 +173,7 @@ def load_stream(source: Any, name: str, refusal: str, trusted: bool, map_locatio
     checked first where it can be re-read (``check``: unless the caller checked it); ``name`` is what a damage report
     calls it, ``refusal`` what an unpickling refusal does; ``lazy``: a filename memory-mapped where torch allows."""
     if check and (not hasattr(source, "read") or source.seekable()):
-        _checksums.check_torch_file(source, name)
+        _zip_checks.check_torch_file(source, name)
     return _unpickling.torch_load(source, lazy=lazy, trusted=trusted, name=refusal, map_location=map_location)
 
 
@@ -181,10 +181,10 @@ def verify_file(location: Location) -> bool:
     """The full checkpoint file at ``location`` checked whole against its zip records' CRC-32s; False where it is not
     in torch's zip format (it carries none)."""
     with location.open("rb") as handle:
-        if not _checksums.is_zip(handle.read(4)):
+        if not _zip_checks.is_zip(handle.read(4)):
             return False
         handle.seek(0)
-        _checksums.check_zip(handle, str(location))
+        _zip_checks.check_zip(handle, str(location))
     return True
 
 
