@@ -1,63 +1,24 @@
 """An exponential moving average of an FSDP model's weights kept on each rank's own shards (``Average``): one tensor
 per flat parameter laid out as its local shard, so that it is updated, swapped in for evaluation, saved and read
 with no gathering; beside them, an average (or copy) of each persistent buffer, which every rank holds whole and
-keeps to itself, as the buffers are. ``ShardedEMA`` (``ema``) keeps one; the strategy saves and loads it, each
-rank's buffers through ``_rank_states``. torch is imported inside.
+keeps to itself, as the buffers are. ``ShardedEMA`` (``ema``) keeps one, attached to its LightningModule as a checkpoint participant
+(``_participants``): the saves and loads carry it, each rank's buffers through ``_rank_states``. torch is imported inside.
 """
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from . import _format, _shard_layout, _shard_views
-from ._held import ModuleHeld, held, peek
+from . import _format, _participants, _shard_layout, _shard_views
 from ._shard_layout import FlatShard
 
 
-def attach(module: Any, average: "Average") -> None:
-    """``average`` is ``module``'s (a LightningModule, which outlives its Trainers, keeps it in its ``ModuleHeld``):
-    its saves carry it and its loads restore it."""
-    kept = held(module, ModuleHeld)
-    other = kept.average
-    if other is not None and other is not average:
-        raise ValueError(
-            f"Two ShardedEMA callbacks average {type(module).__name__}'s weights: a checkpoint carries one average."
-            " Keep one ShardedEMA in the Trainer's callbacks."
-        )
-    kept.average = average
-
-
-def of(module: Any) -> Optional["Average"]:
-    """The average attached to ``module`` (a LightningModule; None: a strategy used without one), if any."""
-    kept = None if module is None else peek(module, ModuleHeld)
-    return None if kept is None else kept.average
-
-
-def tensors_in(model: Any) -> Iterator[Any]:
-    """The shards and buffers of every average attached to a module inside ``model``: tensors training changes in
-    place."""
-    for average in _attached_in(model):
-        yield from average.shards.values()
-        yield from average.buffers.values()
-
-
-def buffers_in(model: Any) -> Dict[str, Any]:
-    """This rank's averaged (or copied) buffers of the average attached to a module inside ``model``, by ``model``'s
-    names (``_shard_layout.persistent_buffers``'): what differs from rank to rank, as the buffers themselves do."""
-    return {name: buffer for average in _attached_in(model) for name, buffer in average.buffers.items()}
-
-
-def _attached_in(model: Any) -> Iterator["Average"]:
-    for module in model.modules():
-        kept = peek(module, ModuleHeld)
-        if kept is not None and kept.average is not None:
-            yield kept.average
-
-
-class Average:
+class Average(_participants.Participant):
     """The average of one FSDP model's weights, one tensor per flat parameter (by ``id`` of the parameter) laid out as
     this rank's local shard of it, padding included. The rule is that of torch's ``AveragedModel`` with
     ``get_ema_multi_avg_fn(decay)``: the first update copies the weights, each later one moves the average a
     ``1 - decay`` part of the way to them (``lerp``). The model's persistent buffers (``persistent_buffers``): with
     ``use_buffers``, the floating ones are averaged by the same rule and the others copied; without, all copied at
     each update. Evaluation runs with them swapped in too (Lightning 2.6's ``WeightAveraging`` swaps both)."""
+
+    key, full_key, rank_key = _format.EMA_KEY, _format.EMA_STATE_KEY, "average_buffers"
 
     def __init__(self, decay: float, dtype: Any = None, use_buffers: bool = True) -> None:
         self.decay = decay
@@ -77,6 +38,20 @@ class Average:
     @property
     def swapped(self) -> bool:
         return self._kept is not None
+
+    def twice(self, module: Any) -> str:
+        return (f"Two ShardedEMA callbacks average {type(module).__name__}'s weights: a checkpoint carries one average."
+                " Keep one ShardedEMA in the Trainer's callbacks.")
+
+    def saves(self) -> bool:
+        return self.ready and not self.swapped
+
+    def live_tensors(self) -> Iterator[Any]:
+        yield from self.shards.values()
+        yield from self.buffers.values()
+
+    def rank_tensors(self) -> Dict[str, Any]:
+        return dict(self.buffers)
 
     def update(self, model: Any) -> None:
         """One update from ``model``'s (the FSDP root's) current weights, on this rank's shards."""
@@ -128,11 +103,11 @@ class Average:
         """The average as a sharded state dict under the model's own parameter names (without ``prefix``, the
         wrapper's), in the weights' layout: each parameter a ``ShardedTensor`` of views of the average's shards; each
         buffer this rank's (a save keeps rank 0's, as it does the model's)."""
-        state = _shard_views.average_state(model, flats_of(model), self._shard)
+        state = _shard_views.state_beside(model, self.key, flats_of(model), self._shard)
         state.update((name, buffer.detach()) for name, buffer in self.buffers.items())
         return _format.strip_prefix(state, prefix)
 
-    def gathered(self, model: Any, build: Callable[[], Dict[str, Any]], prefix: str) -> Dict[str, Any]:
+    def full_state(self, model: Any, prefix: str, build: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
         """The average in a full state dict under the model's own names (without ``prefix``): ``build()``,
         the model's state dict as a full save gathers it, built with the average swapped into the shards (where
         ``build`` gives nothing, as a full save does on ranks other than 0, nothing)."""
@@ -173,7 +148,7 @@ class Average:
                     self._buffer(name, buffer).copy_(values[name])
         self.loaded = True
 
-    def start_fresh(self, where: str) -> None:
+    def absent(self, where: str) -> None:
         """The checkpoint at ``where`` holds no average: the next update starts one from the weights."""
         self.shards.clear()
         self.buffers.clear()

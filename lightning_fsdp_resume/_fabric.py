@@ -61,7 +61,7 @@ def save_checkpoint(
     optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
     # full: rank 0 alone holds the gathered entries, and only it writes
     saved = (_saving.Checkpoint(kind, {**stored, **metadata}, {}, (module, optimizers)) if full
-             else _saving.Checkpoint(kind, stored, metadata, (module, optimizers), model_key=module_key))
+             else _saving.Checkpoint(kind, stored, metadata, (module, optimizers), rank_zeros=(module_key,)))
     _saving.save(self, path, saved, background=getattr(self, "_async_save", False))
 
 

@@ -23,10 +23,10 @@ class StrategyHeld:
 
 @dataclasses.dataclass
 class ModuleHeld:
-    """On a module: a LightningModule (its FSDP root, its average) or an FSDP root (the views its saves made)."""
+    """On a module: a LightningModule (its FSDP root, its checkpoint participants) or an FSDP root (the views its saves made)."""
 
     fsdp_root: Any = None  # _strategy: the FSDP root a LightningModule's first run made, for every later run
-    average: Any = None  # _ema.Average: the average of the weights a ShardedEMA keeps for a LightningModule
+    participants: Dict[str, Any] = dataclasses.field(default_factory=dict)  # _participants: what its checkpoints carry, by key
     views: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # _shard_views: the last save's, by name
     optimizer_views: Any = None  # _shard_views: the same by optimizer (weakly: kept while the optimizer lives)
 

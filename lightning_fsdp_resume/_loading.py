@@ -51,9 +51,9 @@ class Restore(NamedTuple):
     optimizers_without_weights: bool = False
     # checkpoint entry -> a module without FSDP units beside the FSDP one (Fabric: an EMA copy, say), loaded whole
     modules: Mapping[str, Any] = {}
-    # checkpoint entry -> a state kept in the weights' sharded layout (``_ema.Average``), read into its own shards;
-    # started anew where the checkpoint has none
-    averages: Mapping[str, Any] = {}
+    # checkpoint entry -> a state saved beside the weights in their layout (``_participants``), read into its own
+    # shards; told where the checkpoint has none
+    participants: Mapping[str, Any] = {}
 
 
 class Request:
@@ -108,9 +108,9 @@ def load(strategy: Any, path: Any, request: Request) -> Dict[str, Any]:
         restore = request.plan(path, _format.count_saved_optimizers(stored), verdict)
         optimizer_states = {key: stored[key] for key in restore.optimizers}
         other_states = {key: stored[key] for key in restore.modules}
-        average_states = {key: stored[key] for key in restore.averages if key in stored}
+        participant_states = {key: stored[key] for key in restore.participants if key in stored}
         _shard_layout.drop_gathered_copies(restore.module)
-        load_full(strategy, path, restore, stored[restore.module_key], optimizer_states, other_states, average_states)
+        load_full(strategy, path, restore, stored[restore.module_key], optimizer_states, other_states, participant_states)
     _check_in_place(path, restore.module)
     return rest
 
@@ -156,8 +156,8 @@ def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
         compat.load_model_state_dict(module, _format.add_prefix(model_state, prefix), full=False, strict=restore.strict)
     for optimizer_key, optimizer in restore.optimizers.items():
         load_sharded_optimizer_state(module, optimizer, model_state, optimizer_key, path, shards, prefix)
-    for average_key, average in restore.averages.items():
-        _load_sharded_average(path, restore, average_key, average, shards)
+    for participant_key, participant in restore.participants.items():
+        _load_sharded_participant(path, restore, participant_key, participant, shards)
     for other_key, other in restore.modules.items():
         # Saved whole by every rank (torch de-duplicates); every rank reads it whole.
         wanted = other.state_dict()
@@ -167,26 +167,26 @@ def load_sharded(path: Location, restore: Restore, shards: Any) -> None:
         other.load_state_dict(container[other_key], strict=restore.strict)
 
 
-def _load_sharded_average(path: Location, restore: Restore, key: str, average: Any, shards: Any) -> None:
+def _load_sharded_participant(path: Location, restore: Restore, key: str, participant: Any, shards: Any) -> None:
     stored = _preflight.stored_model_shapes(shards, key)
     if not stored:
-        average.start_fresh(str(path))
+        participant.absent(str(path))
         return
-    keys = _average_keys(path, restore, average, stored)
-    average.read(restore.module, checked.reader(path), {restore.prefix + name: f"{key}.{name}" for name in keys})
+    keys = _participant_keys(path, restore, participant, stored)
+    participant.read(restore.module, checked.reader(path), {restore.prefix + name: f"{key}.{name}" for name in keys})
 
 
-def _average_keys(path: Location, restore: Restore, average: Any, stored: Dict[str, Any]) -> Set[str]:
-    """The parameters of a stored average (``stored``: their shapes) to load, strictly: another model's is refused."""
-    expected = _format.strip_prefix(average.shapes(restore.module), restore.prefix)
+def _participant_keys(path: Location, restore: Restore, participant: Any, stored: Dict[str, Any]) -> Set[str]:
+    """The tensors of a stored participant (``stored``: their shapes) to load, strictly: another model's is refused."""
+    expected = _format.strip_prefix(participant.shapes(restore.module), restore.prefix)
     return _preflight.loadable_keys(path, expected, stored, strict=True)
 
 
 def load_full(
     strategy: Any, path: Location, restore: Restore, state_dict: Dict[str, Any], optimizer_states: Dict[str, Any],
-    other_states: Optional[Dict[str, Any]] = None, average_states: Optional[Dict[str, Any]] = None,
+    other_states: Optional[Dict[str, Any]] = None, participant_states: Optional[Dict[str, Any]] = None,
 ) -> None:
-    """Load ``restore`` from a full checkpoint's weights, optimizer states, other modules' and averages' state dicts
+    """Load ``restore`` from a full checkpoint's weights, optimizer states, other modules' and participants' state dicts
     (by checkpoint entry), which every rank passes whole (memory-mapped); each rank keeps its part."""
     other_states = other_states or {}
     module, prefix = restore.module, restore.prefix
@@ -201,13 +201,13 @@ def load_full(
         _shard_layout.copy_model_into_shards(module, state_dict)
     else:
         compat.load_model_state_dict(module, state_dict, full=True, strict=restore.strict)
-    for average_key, average in restore.averages.items():
-        average_state = (average_states or {}).get(average_key)
-        if average_state is None:
-            average.start_fresh(str(path))
+    for participant_key, participant in restore.participants.items():
+        state = (participant_states or {}).get(participant_key)
+        if state is None:
+            participant.absent(str(path))
             continue
-        keys = _average_keys(path, restore, average, _preflight.tensor_shapes(average_state))
-        average.copy(module, {prefix + name: average_state[name] for name in keys})
+        keys = _participant_keys(path, restore, participant, _preflight.tensor_shapes(state))
+        participant.copy(module, {prefix + name: state[name] for name in keys})
     for other_key, other in restore.modules.items():
         stored = other_states[other_key]
         keys = _other_module_keys(path, restore, other.state_dict(), _preflight.tensor_shapes(stored))

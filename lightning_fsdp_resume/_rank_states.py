@@ -1,32 +1,31 @@
 """What each rank keeps to itself and a checkpoint must hold once per rank for an exact resume: its RNG states and the
-buffers its own batches updated (FSDP does not synchronise buffers, e.g. BatchNorm's statistics) and the average of
-them ``ShardedEMA`` keeps (``_ema``), as one list by rank, ``rank_states``, written by rank 0, read with
-``weights_only=True``, restored on each rank the saving run had.
+buffers its own batches updated (FSDP does not synchronise buffers, e.g. BatchNorm's statistics) and the rank-local
+tensors of the checkpoint participants kept beside them (``_participants``: ``ShardedEMA``'s buffers), as one list
+by rank, ``rank_states``, written by rank 0, read with ``weights_only=True``, restored on each rank the saving run had.
 """
 import pickle
 import random
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import _ema, _format, _unpickling
+from . import _format, _participants, _unpickling
 from . import _torch_compat as compat
 from ._ranks import agree
 
 KEY = "rank_states"  # the checkpoint entry (the Trainer's; Fabric: wherever the user puts a RankStates)
-# each rank's holds the rank's buffers by their clean names (``_buffers``) under BUFFERS, and, where ShardedEMA
-# averages the weights, the average's buffers by the same names under AVERAGE_BUFFERS
-BUFFERS, AVERAGE_BUFFERS = "buffers", "average_buffers"
+# each rank's holds the rank's buffers by their clean names (``_buffers``) under BUFFERS, and each participant's
+# rank-local tensors by the same names under its ``rank_key``
+BUFFERS = "buffers"
 
 
 def capture(module: Any) -> Dict[str, Any]:
-    """This rank's RNG states (``rng_state``) and its buffers (and their average's) by their clean names, copied to
-    the CPU."""
+    """This rank's RNG states (``rng_state``) and its buffers (and its participants' rank-local tensors) by their clean
+    names, copied to the CPU."""
     state: Dict[str, Any] = {"rng": rng_state(), BUFFERS: {}}
     if module is not None:
-        state[BUFFERS] = {name: value.detach().cpu().clone() for name, value in _buffers(module).items()}
-        averaged = _average_buffers(module)
-        if averaged:
-            state[AVERAGE_BUFFERS] = {name: value.detach().cpu().clone() for name, value in averaged.items()}
+        for key, tensors in _rank_local(module).items():
+            if tensors or key == BUFFERS:
+                state[key] = {name: value.detach().cpu().clone() for name, value in tensors.items()}
     return state
 
 
@@ -83,7 +82,7 @@ def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
     if everyone is None:
         return None
     states = [_unpickling.loads(blob, "the gathered rank states", trusted=True) for blob in everyone]  # this run's
-    for key in (BUFFERS, AVERAGE_BUFFERS):
+    for key in (key for key in mine if key != "rng"):  # the buffers and the participants' rank-local tensors
         reference = states[0].get(key, {})
         for state in states[1:]:  # rank 0's are all kept: a strategy may store any rank's copy in the model's entry
             if key in state:
@@ -121,7 +120,7 @@ def restore_buffers(states: Any, module: Any, where: str = "The checkpoint") -> 
         return False
     if module is not None:
         with torch.no_grad():
-            for key, mine in ((BUFFERS, _buffers(module)), (AVERAGE_BUFFERS, _average_buffers(module))):
+            for key, mine in _rank_local(module).items():
                 for name, value in states[rank].get(key, {}).items():
                     if name in mine:
                         mine[name].copy_(value)
@@ -164,9 +163,13 @@ def _buffers(module: Any) -> Dict[str, Any]:
     return {_author_name(_format.clean_module_name(name)): buffer for name, buffer in module.named_buffers()}
 
 
-def _average_buffers(module: Any) -> Dict[str, Any]:
-    """The average's buffers (``_ema``) of the model ``module``, by the names ``_buffers`` gives theirs."""
-    return {_author_name(name): buffer for name, buffer in _ema.buffers_in(module).items()}
+def _rank_local(module: Any) -> Dict[str, Dict[str, Any]]:
+    """The model ``module``'s buffers (``BUFFERS``) and its participants' rank-local tensors (under each one's
+    ``rank_key``), by the names ``_buffers`` gives the buffers."""
+    found = {BUFFERS: _buffers(module)}
+    for participant in _participants.within(module):
+        found[participant.rank_key] = {_author_name(name): value for name, value in participant.rank_tensors().items()}
+    return found
 
 
 def _author_name(name: str) -> str:

@@ -6,7 +6,7 @@ import functools
 import secrets
 from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Tuple
 
-from . import _background, _ema, _format, _shard_layout, _shard_views, _storage
+from . import _background, _format, _participants, _shard_layout, _shard_views, _storage
 from . import _torch_compat as compat
 from ._ranks import barrier, decided_on_rank_zero, warn_rank_zero
 from ._storage import Location, checked
@@ -109,7 +109,8 @@ def training_tensors(module: Any, optimizers: Iterable[Any]) -> Iterator[Any]:
         yield from module.parameters()
         yield from module.buffers()
         yield from map(_shard_layout.local_shard, _shard_layout.flat_shards(module) or ())
-        yield from _ema.tensors_in(module)  # an average of the weights, updated after each step
+        for participant in _participants.within(module):  # kept beside the weights (an average, updated after each step)
+            yield from participant.live_tensors()
     for optimizer in optimizers:
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
         for group in inner.param_groups:  # FSDP's flat shards, or views of them
@@ -133,7 +134,8 @@ def _save_torch_file(state: Dict[str, Any], path: Location) -> None:
 
 class Checkpoint(NamedTuple):
     """What one save writes. Sharded: every rank writes its shards of ``stored`` and rank 0 ``metadata`` (``meta.pt``);
-    the buffers of the model's entry (``model_key``) and of the average's are rank 0's (``with_rank_zeros_buffers``).
+    the buffers of the entries in ``rank_zeros`` (the model's and its participants') are rank 0's
+    (``with_rank_zeros_buffers``).
     Full: ``stored`` is the whole checkpoint, gathered on rank 0, which ``write``s it. ``training``: the module and the
     optimizers whose tensors training changes, which a save in the background copies before it returns."""
 
@@ -142,7 +144,7 @@ class Checkpoint(NamedTuple):
     metadata: Dict[str, Any]
     training: Tuple[Any, Iterable[Any]]
     write: Callable[[Dict[str, Any], Location], None] = _save_torch_file
-    model_key: str = _format.MODEL_KEY
+    rank_zeros: Tuple[str, ...] = (_format.MODEL_KEY,)
 
 
 def save(strategy: Any, filepath: Any, checkpoint: Checkpoint, background: bool) -> None:
@@ -184,10 +186,10 @@ def _write_sharded_in_background(strategy: Any, filepath: Any, checkpoint: Check
 
 def _sharded_destination(strategy: Any, filepath: Any, checkpoint: Checkpoint) -> Tuple[Location, Location]:
     """Once the previous background save is written: the destination and its partial sibling, with rank 0's buffers
-    in the model's entry and the average's."""
+    in the entries ``rank_zeros`` names."""
     _background.wait(strategy)
     stored = checkpoint.stored
-    for key in (checkpoint.model_key, _format.EMA_KEY):  # the weights' and their average's (``_ema``)
+    for key in checkpoint.rank_zeros:
         if key in stored:
             stored[key] = with_rank_zeros_buffers(strategy, stored[key])
     return _destination(strategy, filepath, _format.SHARDED)

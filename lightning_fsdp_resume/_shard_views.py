@@ -97,7 +97,7 @@ def model_state(model: Any) -> Dict[str, Any]:
 def parameter_state(flats: Sequence[FlatShard], shard_of: Callable[[FlatShard], Any], reuse: _Reuse) -> Dict[str, Any]:
     """Each original parameter of ``flats`` (``_known``'s) as a ``ShardedTensor`` of views of ``shard_of(flat)``, a 1-D
     tensor laid out as that flat parameter's local shard: the weights (the shard itself, even where the unit holds a
-    gathered copy), or a state kept beside them in their layout (``_ema``'s average, ``average_state``)."""
+    gathered copy), or a state kept beside them in their layout (a checkpoint participant's, ``state_beside``)."""
     state: Dict[str, Any] = {}
     for flat in flats:
         shard = shard_of(flat).detach()
@@ -107,9 +107,9 @@ def parameter_state(flats: Sequence[FlatShard], shard_of: Callable[[FlatShard], 
     return state
 
 
-def average_state(model: Any, flats: Sequence[FlatShard], shard_of: Callable[[FlatShard], Any]) -> Dict[str, Any]:
-    """``parameter_state`` of an average kept in the weights' layout beside ``model``'s flat shards."""
-    return _reusing(model, "average", lambda reuse: parameter_state(flats, shard_of, reuse))
+def state_beside(model: Any, key: str, flats: Sequence[FlatShard], shard_of: Callable[[FlatShard], Any]) -> Dict[str, Any]:
+    """``parameter_state`` of the state saved under ``key``, kept in the weights' layout beside ``model``'s flat shards."""
+    return _reusing(model, key, lambda reuse: parameter_state(flats, shard_of, reuse))
 
 
 def optimizer_state(model: Any, optimizer: Any) -> Dict[str, Any]:

@@ -3,9 +3,9 @@
 Lightning import, no patching (``_patches`` does it); what Fabric's does alike is in ``_saving`` and ``_loading``.
 """
 import functools
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
-from . import _background, _ema, _format, _lightning_reads, _loading, _preflight, _rank_states, _ranks, _saving, _signature, _storage
+from . import _background, _format, _lightning_reads, _loading, _participants, _preflight, _rank_states, _ranks, _saving, _signature, _storage
 from . import _torch_compat as compat
 from ._held import ModuleHeld, StrategyHeld, held, peek
 from ._storage import Location
@@ -113,20 +113,19 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     if states is not None:
         checkpoint[_rank_states.KEY] = states
     io = _plain_io(self)
-    average = _ema.of(self.lightning_module)
-    average = average if average is not None and average.ready and not average.swapped else None
+    participants = [participant for participant in _participants.of(self.lightning_module) if participant.saves()]
     kind = _saving.state_dict_type(self)
     if kind == _format.FULL:
-        if average is not None:  # gathered as the weights are, to rank 0
-            checkpoint[_format.EMA_STATE_KEY] = average.gathered(self.model, lambda: lightning_module_state_dict(self), _prefix(self))
+        for participant in participants:  # gathered as the weights are, to rank 0
+            checkpoint[participant.full_key] = participant.full_state(self.model, _prefix(self), lambda: lightning_module_state_dict(self))
         # a str: Lightning's CheckpointIO opens a URL with fsspec, a local path as it is
         write = lambda state, partial: io.save_checkpoint(state, str(partial))  # noqa: E731
         saved = _saving.Checkpoint(kind, checkpoint, {}, (self.model, self.optimizers), write)
     else:
-        stored = _stored(checkpoint, keep_optimizer_states=False)
-        if average is not None:
-            stored[_format.EMA_KEY] = average.sharded_state(self.model, _prefix(self))
-        saved = _saving.Checkpoint(kind, stored, checkpoint, (self.model, self.optimizers))
+        stored = _stored(checkpoint, participants, keep_optimizer_states=False)
+        stored.update((participant.key, participant.sharded_state(self.model, _prefix(self))) for participant in participants)
+        rank_zeros = (_format.MODEL_KEY, *(participant.key for participant in participants))
+        saved = _saving.Checkpoint(kind, stored, checkpoint, (self.model, self.optimizers), rank_zeros=rank_zeros)
     _saving.save(self, filepath, saved, background=_asks_for_background(self))
 
 
@@ -275,19 +274,22 @@ class _TrainerLoad(_loading.Request):
         return _restore(self.strategy, fitting)
 
     def take(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-        return _stored(checkpoint, keep_optimizer_states=True)
+        return _stored(checkpoint, _participants.of(self.strategy.lightning_module), keep_optimizer_states=True)
 
 
-def _stored(checkpoint: Dict[str, Any], keep_optimizer_states: bool) -> Dict[str, Any]:
-    """A Lightning checkpoint's weights and optimizer states, under the keys a sharded one stores them by,
-    taken out of ``checkpoint`` (a load leaves ``optimizer_states`` in it, as Lightning's own loading does)."""
+def _stored(checkpoint: Dict[str, Any], participants: Sequence[Any], keep_optimizer_states: bool) -> Dict[str, Any]:
+    """A Lightning checkpoint's weights, optimizer states and ``participants``' entries, under the keys a sharded one
+    stores them by, taken out of ``checkpoint`` (a load leaves ``optimizer_states`` in it, as Lightning's own loading
+    does)."""
     optimizer_states = (checkpoint.get if keep_optimizer_states else checkpoint.pop)("optimizer_states", None) or []
-    average = checkpoint.pop(_format.EMA_STATE_KEY, None)  # a consolidated file's average of the weights
-    return {
+    stored = {
         _format.MODEL_KEY: checkpoint.pop("state_dict"),
         **{_format.optimizer_key(index): state for index, state in enumerate(optimizer_states)},
-        **({_format.EMA_KEY: average} if average is not None else {}),
     }
+    for participant in participants:
+        if participant.full_key in checkpoint:
+            stored[participant.key] = checkpoint.pop(participant.full_key)
+    return stored
 
 
 # --- small helpers, all read-only ------------------------------------------------------------------
@@ -296,7 +298,6 @@ def _stored(checkpoint: Dict[str, Any], keep_optimizer_states: bool) -> Dict[str
 def _restore(self: Any, fitting: bool) -> _loading.Restore:
     """The Trainer's module and, when fitting, its optimizers, under the keys the Trainer stores them by."""
     optimizers = {_format.optimizer_key(index): optimizer for index, optimizer in enumerate(self.optimizers)}
-    average = _ema.of(self.lightning_module)
     return _loading.Restore(
         module=self.model,
         prefix=_prefix(self),
@@ -304,7 +305,7 @@ def _restore(self: Any, fitting: bool) -> _loading.Restore:
         optimizers=optimizers if fitting else {},
         # LightningModule.strict_loading (the name native Lightning 2.2 uses), True unless set.
         strict=bool(getattr(self.lightning_module, "strict_loading", True)),
-        averages={_format.EMA_KEY: average} if average is not None else {},
+        participants={participant.key: participant for participant in _participants.of(self.lightning_module)},
     )
 
 

@@ -6,7 +6,7 @@ import importlib
 import logging
 from typing import Any, Optional, Tuple
 
-from . import _background, _ema, _strategy
+from . import _background, _ema, _participants, _strategy
 from ._versions import FLAVOURS, TRAINER, installed_version
 
 
@@ -76,7 +76,7 @@ class ShardedEMA(*_callback_bases()):  # type: ignore[misc]
                 f" {type(strategy).__module__}.{type(strategy).__name__}, which it has not patched. Use"
                 " `strategy=FSDPStrategy(...)` of Lightning 2.0.x, with lightning_fsdp_resume patching (its default)."
             )
-        _ema.attach(pl_module, self._average)
+        _participants.attach(pl_module, self._average)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         _ema.flats_of(trainer.model)  # refused here, before the first step, where the shards cannot hold an average
@@ -103,7 +103,7 @@ class ShardedEMA(*_callback_bases()):  # type: ignore[misc]
         started = not self._average.ready
         self._average.update(trainer.model)
         if started:  # a new average: host buffers for saves in the background, made before the first save needs them
-            _background.prepare_also(trainer.strategy, lambda: _ema.tensors_in(trainer.model))
+            _background.prepare_also(trainer.strategy, self._average.live_tensors)
 
     def _evaluation_starts(self, trainer: Any, pl_module: Any) -> None:
         if self.evaluate and self._average.ready and not self._average.swapped:

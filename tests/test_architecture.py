@@ -214,3 +214,37 @@ def test_the_stash_rule_sees_what_it_forbids(tmp_path):
     module.write_text("def f(obj):\n    global _mode\n    vars(obj)['k'] = 1\n    vars(obj).setdefault('k', {})\n"
                       "    vars(obj).pop('k', None)\n    return vars(obj).get('k')\n")
     assert list(_stashes(module)) == ["global _mode", "vars() written", "vars() written", "vars() written"]
+
+
+def _participant_classes(path: Path) -> Set[str]:
+    """The classes the module at ``path`` declares as checkpoint participants (subclasses of ``Participant``)."""
+    return {node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+            and any("Participant" in _names_in(base) for base in node.bases)}
+
+
+# The readers that pick a participant's entry by the user's option (``--ema``, ``load_from_checkpoint(ema=True)``)
+READERS = {"_whole_read", "_consolidate", "_lightning_reads"}
+
+
+def test_no_module_outside_the_participants_names_one():
+    """Saves and loads know the states kept beside the weights through ``_participants`` alone: a participant's module
+    is imported by the entry point that offers it (layer 10) and by no other, and its entries' keys are named by the
+    format, itself and the readers the user asks for it."""
+    known, layer = modules(), layers()
+    participants = {name for name, path in known.items() if _participant_classes(path)}
+    assert participants, "no module declares a Participant"
+    importing = [f"{name} imports {target}" for name, path in known.items() if name not in participants and layer[name] < 10
+                 for target in imports(name, path, set(known)) & participants]
+    assert not importing, importing
+    keys = {"EMA_KEY", "EMA_STATE_KEY"}
+    naming = [f"{name} names {', '.join(sorted(_names_in(ast.parse(path.read_text())) & keys))}" for name, path in known.items()
+              if name not in participants | READERS | {"_format"} and _names_in(ast.parse(path.read_text())) & keys]
+    assert not naming, naming
+
+
+def test_the_participant_rule_sees_what_it_forbids(tmp_path):
+    module = tmp_path / "participating.py"
+    module.write_text("from . import _participants\nclass Kept(_participants.Participant):\n    key = _format.EMA_KEY\n")
+    assert _participant_classes(module) == {"Kept"}
+    assert "EMA_KEY" in _names_in(ast.parse(module.read_text()))
+    assert imports("_strategy", PACKAGE / "_strategy.py", set(modules())) & {"_participants"}
