@@ -12,7 +12,7 @@ from ._patches import PatchTable, tables_for
 from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
 
 __all__ = ["patch", "unpatch", "status", "wait_for_saves", "set_mid_epoch_resume", "FlavourStatus", "DISABLE_ENV", "RankStates", "BackgroundSaveError",
-           "add_safe_globals", "UnsafeCheckpointError", "ShardedEMA"]
+           "add_safe_globals", "UnsafeCheckpointError", "ShardedEMA", "consolidate"]
 __version__ = "0.1.0"
 
 DISABLE_ENV = "LIGHTNING_FSDP_RESUME_DISABLE"
@@ -149,7 +149,8 @@ def __getattr__(name: str):
     """``RankStates`` (Fabric: each rank's RNG states and buffers in a checkpoint), ``BackgroundSaveError`` (what
     ``wait_for_saves`` raises), ``UnsafeCheckpointError`` (a checkpoint refused for what its pickles name) and
     ``add_safe_globals`` (admit a type in them: torch's own on torch 2.4+), ``ShardedEMA`` (an average of the weights
-    on the shards: imports Lightning), imported on first use."""
+    on the shards: imports Lightning), ``consolidate`` (a sharded checkpoint into one full file), imported on first
+    use."""
     if name in ("UnsafeCheckpointError", "add_safe_globals"):
         from . import _unpickling
 
@@ -162,6 +163,10 @@ def __getattr__(name: str):
         from .ema import ShardedEMA
 
         return ShardedEMA
+    if name == "consolidate":
+        from ._consolidate import consolidate
+
+        return consolidate
     if name == "RankStates":
         from ._rank_states import RankStates
 

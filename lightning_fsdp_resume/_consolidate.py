@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from . import _format, _preflight, _safetensors, _storage, _whole_read
 from ._storage import Location, checked
+from ._whole_read import option, refusal
 
 # Output formats: torch's checkpoint file (what a full save writes), or a safetensors file of the weights.
 TORCH, SAFETENSORS = "torch", "safetensors"
@@ -26,7 +27,7 @@ TRAINER_WEIGHTS_ONLY_KEYS = (
 
 
 def consolidate(
-    src: Any, dst: Any, overwrite: bool = False, progress: bool = True, *, weights_only: bool = False,
+    src: Any, dst: Any, overwrite: bool = False, progress: bool = False, *, weights_only: bool = False,
     dtype: Optional[str] = None, format: str = TORCH, module: Optional[str] = None, trusted: bool = False,
     ema: bool = False,
 ) -> _whole_read.Summary:
@@ -105,9 +106,9 @@ def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], modul
     meta = _preflight.read_meta(src)
     selected = _whole_read.select_weights(src, metadata, meta, module, ema)
     if len(selected.keys) > 1:
-        raise ValueError(
+        raise refusal(ValueError,
             f"The Fabric checkpoint {str(src)!r} holds several modules ({_whole_read.quoted_names(list(selected.keys))}); a safetensors"
-            " file holds one module's weights under its own key names. Pass --module NAME, once per module."
+            f" file holds one module's weights under its own key names. Pass {option('module NAME')}, once per module."
         )
     [(entry, stored_keys)] = selected.keys.items()
     cast = _torch_dtype(dtype)
@@ -143,16 +144,16 @@ def _tensor_spec(src: Location, key: str, path: Sequence[Any], stored: Any, cast
 
     where = f"{path[1] if len(path) > 1 else key!r} of {str(path[0])!r} in {str(src)!r}"
     if not isinstance(stored, TensorStorageMetadata) or len(path) != 2:
-        raise ValueError(
+        raise refusal(ValueError,
             f"The weight entry {where} is not a tensor (a module's extra state, pickled); a safetensors file holds"
-            " tensors only. Write the torch format with --weights-only instead."
+            f" tensors only. Write the torch format with {option('weights_only')} instead."
         )
     dtype = _written_dtype(stored, cast)
     name = _safetensors.dtype_name(str(dtype))
     if name is None:
-        raise ValueError(
+        raise refusal(ValueError,
             f"The weight {where} is of {dtype}, which safetensors has no type for. Write the torch format with"
-            " --weights-only instead."
+            f" {option('weights_only')} instead."
         )
     shape = tuple(stored.size)
     return _safetensors.TensorSpec(str(path[1]), name, shape, math.prod(shape) * dtype.itemsize)
@@ -196,19 +197,18 @@ def _stored_bytes(stored: Any) -> int:
 def _check_options(weights_only: bool, dtype: Optional[str], format: str, module: Optional[str]) -> None:
     """Settings that contradict each other are refused before anything is read."""
     if format not in FORMATS:
-        raise ValueError(f"Unknown output format {format!r} (--format): choose {_whole_read.quoted_names(FORMATS)}.")
+        raise refusal(ValueError, f"Unknown output format {format!r} ({option('format')}): choose {_whole_read.quoted_names(FORMATS)}.")
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r} (--dtype): choose {_whole_read.quoted_names(list(DTYPES))}.")
+        raise refusal(ValueError, f"Unknown dtype {dtype!r} ({option('dtype name')}): choose {_whole_read.quoted_names(list(DTYPES))}.")
     weights = weights_only or format == SAFETENSORS
+    add = f"Add {option('weights_only')}, or {option('safetensors')}."
     if dtype is not None and not weights:
-        raise ValueError(
-            f"--dtype {dtype} casts the weights of a weights-only file; a checkpoint that resumes keeps its optimizer"
-            " state and the dtypes it was trained in. Add --weights-only, or --format safetensors."
+        raise refusal(ValueError,
+            f"{option('dtype', dtype)} casts the weights of a weights-only file; a checkpoint that resumes keeps its"
+            f" optimizer state and the dtypes it was trained in. {add}"
         )
     if module is not None and not weights:
-        raise ValueError(
-            f"--module {module!r} writes one module's weights only. Add --weights-only, or --format safetensors."
-        )
+        raise refusal(ValueError, f"{option('module', module)} writes one module's weights only. {add}")
 
 
 def _check_source(src: Location) -> None:
@@ -229,8 +229,8 @@ def _check_destination(src: Location, dst: Location, overwrite: bool) -> None:
             " never modifies. Write the file elsewhere."
         )
     if dst.exists() and not overwrite:
-        raise FileExistsError(
-            f"The destination {str(dst)!r} already exists. Pass --overwrite to replace it, or name another file."
+        raise refusal(FileExistsError,
+            f"The destination {str(dst)!r} already exists. Pass {option('overwrite')} to replace it, or name another file."
         )
 
 

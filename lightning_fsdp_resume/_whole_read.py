@@ -2,12 +2,38 @@
 reader of sharded checkpoints outside a training run, in its writer's format (``read_full_checkpoint``). ``consolidate``
 writes what it reads; ``_lightning_reads`` hands it to Lightning wherever Lightning reads a full file.
 """
+import re
 import sys
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
 
 from . import _format, _preflight
 from . import _torch_compat as compat
 from ._storage import Location, checked
+
+# ``consolidate``'s options as its refusals name them, marked in their text by ``option``: keyword arguments in Python
+# (here), the command line's flags in ``cli``, which says them with its own table (``spoken``); ``{!r}``: the value given
+KEYWORDS = {"ema": "ema=True", "weights_only": "weights_only=True", "overwrite": "overwrite=True",
+            "safetensors": "format='safetensors'", "module NAME": "module=NAME", "module": "module={!r}",
+            "module name": "module", "dtype": "dtype={!r}", "dtype name": "dtype", "format": "format"}
+_MARK = re.compile("\x00([^\x00\x01]*)(?:\x01([^\x00]*))?\x00")
+
+
+def option(name: str, value: Optional[str] = None) -> str:
+    """The mark of option ``name`` (a key of ``KEYWORDS``), given ``value``, in a refusal's text."""
+    return f"\x00{name}\x00" if value is None else f"\x00{name}\x01{value}\x00"
+
+
+def spoken(text: str, names: Mapping[str, str]) -> str:
+    """``text`` with each option marked in it said as ``names`` says it."""
+    return _MARK.sub(lambda mark: names[mark[1]].format(mark[2]), text)
+
+
+def refusal(kind: Type[Exception], text: str) -> Exception:
+    """A ``kind`` saying ``text`` with its options as keyword arguments; its ``options_text`` keeps the marks, for a
+    caller that names the options otherwise (``cli``)."""
+    error = kind(spoken(text, KEYWORDS))
+    error.options_text = text  # type: ignore[attr-defined]
+    return error
 
 
 class Summary(NamedTuple):
@@ -54,20 +80,21 @@ def select_weights(src: Location, metadata: Any, meta: Dict[str, Any], module: O
     writer = _format.sharded_checkpoint_writer(by_entry, meta)
     if writer == _format.TRAINER:
         if module is not None:
-            raise ValueError(
-                f"--module {module!r} picks a module of a Fabric checkpoint, but {str(src)!r} is the Trainer's, whose"
-                " weights are its one state_dict. Drop --module."
+            raise refusal(ValueError,
+                f"{option('module', module)} picks a module of a Fabric checkpoint, but {str(src)!r} is the Trainer's,"
+                f" whose weights are its one state_dict. Drop {option('module name')}."
             )
         if ema and _format.EMA_KEY not in by_entry:
-            raise ValueError(
-                f"--ema: the checkpoint {str(src)!r} holds no average of the weights (ShardedEMA saves it in sharded"
-                " checkpoints, beside the weights). Drop --ema, or consolidate a checkpoint of a run with ShardedEMA."
+            raise refusal(ValueError,
+                f"{option('ema')}: the checkpoint {str(src)!r} holds no average of the weights (ShardedEMA saves it in"
+                f" sharded checkpoints, beside the weights). Drop {option('ema')}, or consolidate a checkpoint of a run"
+                " with ShardedEMA."
             )
         return Weights(writer, {"state_dict": by_entry.get(_format.EMA_KEY if ema else _format.MODEL_KEY, [])}, paths)
     if ema:
-        raise ValueError(
-            f"--ema writes the average ShardedEMA saves in the Trainer's checkpoints; {str(src)!r} is Fabric's, whose"
-            " modules are entries of their own. Pass --module NAME instead."
+        raise refusal(ValueError,
+            f"{option('ema')} writes the average ShardedEMA saves in the Trainer's checkpoints; {str(src)!r} is Fabric's,"
+            f" whose modules are entries of their own. Pass {option('module NAME')} instead."
         )
     modules = [
         entry for entry in by_entry
@@ -75,9 +102,9 @@ def select_weights(src: Location, metadata: Any, meta: Dict[str, Any], module: O
     ]
     if module is not None:
         if module not in modules:
-            raise ValueError(
-                f"--module {module!r}: the Fabric checkpoint {str(src)!r} has no such module entry; its modules are"
-                f" {quoted_names(modules)}. Pass one of them."
+            raise refusal(ValueError,
+                f"{option('module', module)}: the Fabric checkpoint {str(src)!r} has no such module entry; its modules"
+                f" are {quoted_names(modules)}. Pass one of them."
             )
         modules = [module]
     if not modules:

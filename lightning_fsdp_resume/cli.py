@@ -108,10 +108,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     return print_status()
 
 
+# consolidate's options as its refusals name them here: the flags above (``_whole_read.KEYWORDS`` names them in Python)
+FLAGS = {"ema": "--ema", "weights_only": "--weights-only", "overwrite": "--overwrite", "safetensors": "--format safetensors",
+         "module NAME": "--module NAME", "module": "--module {!r}", "module name": "--module", "dtype": "--dtype {}",
+         "dtype name": "--dtype", "format": "--format"}
+
+
 def run_consolidate(args: argparse.Namespace) -> int:
-    """Exit status 0 when DST was written, 1 when the conversion was refused (the reason on stderr)."""
+    """Exit status 0 when DST was written, 1 when the conversion was refused (the reason on stderr, options as flags)."""
     from ._consolidate import SAFETENSORS, consolidate
     from ._format import TRAINER
+    from ._whole_read import spoken
 
     weights_only = args.weights_only or args.format == SAFETENSORS or args.ema
     try:
@@ -119,7 +126,8 @@ def run_consolidate(args: argparse.Namespace) -> int:
                               weights_only=args.weights_only, dtype=args.dtype, format=args.format, module=args.module,
                               trusted=args.trusted, ema=args.ema)
     except (OSError, ValueError, NotImplementedError, ImportError, RuntimeError) as error:
-        print(f"lightning_fsdp_resume consolidate: error: {error}", file=sys.stderr)
+        said = getattr(error, "options_text", None)
+        print(f"lightning_fsdp_resume consolidate: error: {error if said is None else spoken(said, FLAGS)}", file=sys.stderr)
         return 1
     if summary.writer == TRAINER:
         held = f"{summary.weights['state_dict']} state_dict entries"

@@ -10,6 +10,7 @@ Fabric's; the safetensors files are read with the ``safetensors`` package.
 """
 import hashlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -67,7 +68,7 @@ def test_incomplete_or_damaged_source_is_refused(tmp_path, present, missing):
 def test_existing_destination_is_kept_without_overwrite(tmp_path):
     src = fake_sharded(tmp_path / "src")
     (tmp_path / "out.ckpt").write_bytes(b"mine")
-    with pytest.raises(FileExistsError, match="already exists. Pass --overwrite"):
+    with pytest.raises(FileExistsError, match="already exists. Pass overwrite=True"):
         consolidate(src, tmp_path / "out.ckpt")
     assert (tmp_path / "out.ckpt").read_bytes() == b"mine"
 
@@ -674,10 +675,10 @@ def test_failed_safetensors_write_leaves_the_destination_as_it_was(handmade, tmp
 
 
 @pytest.mark.parametrize("options,refusal", [
-    ({"dtype": "bf16"}, "--dtype bf16 casts the weights of a weights-only file.*Add --weights-only, or --format safetensors"),
-    ({"module": "net"}, "--module 'net' writes one module's weights only. Add --weights-only, or --format safetensors"),
-    ({"weights_only": True, "dtype": "int8"}, r"Unknown dtype 'int8' \(--dtype\): choose 'bf16', 'fp16', 'fp32'"),
-    ({"format": "onnx"}, r"Unknown output format 'onnx' \(--format\): choose 'torch', 'safetensors'"),
+    ({"dtype": "bf16"}, "dtype='bf16' casts the weights of a weights-only file.*Add weights_only=True, or format='safetensors'"),
+    ({"module": "net"}, "module='net' writes one module's weights only. Add weights_only=True, or format='safetensors'"),
+    ({"weights_only": True, "dtype": "int8"}, r"Unknown dtype 'int8' \(dtype\): choose 'bf16', 'fp16', 'fp32'"),
+    ({"format": "onnx"}, r"Unknown output format 'onnx' \(format\): choose 'torch', 'safetensors'"),
 ])
 def test_contradicting_or_unknown_settings_are_refused_before_anything_is_read(tmp_path, options, refusal):
     with pytest.raises(ValueError, match=refusal):
@@ -687,14 +688,14 @@ def test_contradicting_or_unknown_settings_are_refused_before_anything_is_read(t
 
 def test_existing_destination_is_kept_for_safetensors_too(tmp_path):
     (tmp_path / "w.safetensors").write_bytes(b"mine")
-    with pytest.raises(FileExistsError, match="already exists. Pass --overwrite"):
+    with pytest.raises(FileExistsError, match="already exists. Pass overwrite=True"):
         consolidate(fake_sharded(tmp_path / "src"), tmp_path / "w.safetensors", format="safetensors")
     assert (tmp_path / "w.safetensors").read_bytes() == b"mine"
 
 
 @needs_consolidate
 def test_module_of_a_trainer_checkpoint_is_refused(handmade, tmp_path):
-    with pytest.raises(ValueError, match="--module 'net' picks a module of a Fabric checkpoint, but .* is the Trainer's.*Drop --module"):
+    with pytest.raises(ValueError, match="module='net' picks a module of a Fabric checkpoint, but .* is the Trainer's.*Drop module[.]"):
         consolidate(handmade.trainer, tmp_path / "w.safetensors", format="safetensors", module="net")
     assert not (tmp_path / "w.safetensors").exists()
 
@@ -705,16 +706,16 @@ def test_extra_state_is_kept_by_weights_only_and_refused_by_safetensors(handmade
     state_dict = load(tmp_path / "weights.ckpt")["state_dict"]
     assert state_dict["adapter._extra_state"] == "version 2"
     assert_identical(_cast(handmade.weights, torch.bfloat16), {k: v for k, v in state_dict.items() if k != "adapter._extra_state"}, "weights")
-    with pytest.raises(ValueError, match="'adapter._extra_state' of 'model' in .* is not a tensor.*--weights-only instead"):
+    with pytest.raises(ValueError, match="'adapter._extra_state' of 'model' in .* is not a tensor.*weights_only=True instead"):
         consolidate(handmade.extra_state, tmp_path / "w.safetensors", progress=False, format="safetensors")
     assert not (tmp_path / "w.safetensors").exists()
 
 
 @needs_consolidate
 def test_fabric_with_several_modules_needs_module_for_safetensors(handmade, tmp_path):
-    with pytest.raises(ValueError, match=r"holds several modules \('gen', 'disc'\).*Pass --module NAME"):
+    with pytest.raises(ValueError, match=r"holds several modules \('gen', 'disc'\).*Pass module=NAME"):
         consolidate(handmade.fabric, tmp_path / "w.safetensors", progress=False, format="safetensors")
-    with pytest.raises(ValueError, match=r"--module 'opt': .* has no such module entry; its modules are 'gen', 'disc'"):
+    with pytest.raises(ValueError, match=r"module='opt': .* has no such module entry; its modules are 'gen', 'disc'"):
         consolidate(handmade.fabric, tmp_path / "w.safetensors", progress=False, format="safetensors", module="opt")
     assert not list(tmp_path.iterdir())
 
@@ -749,11 +750,35 @@ def test_command_line_writes_safetensors_and_refuses_contradictions(handmade, tm
     assert_identical(_bits(_cast(handmade.weights, torch.bfloat16)), _bits(load_file(dst)), "the CLI's file")
 
     assert main(["consolidate", str(handmade.trainer), str(tmp_path / "x.ckpt"), "--dtype", "fp16"]) == 1
-    assert "error: --dtype fp16 casts the weights of a weights-only file" in capsys.readouterr().err
+    assert "error: --dtype fp16 casts the weights of a weights-only file; a checkpoint that resumes keeps its optimizer" \
+           " state and the dtypes it was trained in. Add --weights-only, or --format safetensors." in capsys.readouterr().err
+    assert main(["consolidate", str(handmade.trainer), str(tmp_path / "x.ckpt"), "--weights-only", "--module", "net"]) == 1
+    assert "error: --module 'net' picks a module of a Fabric checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit) as usage:
         main(["consolidate", str(handmade.trainer), str(tmp_path / "x.ckpt"), "--dtype", "int8"])
     assert usage.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+def test_the_command_line_names_every_option_a_refusal_can_name_as_its_flag():
+    """A refusal marks the options it names; Python's caller reads them as keyword arguments, the command line's as its
+    flags: each table says every option, and each flag is one the command line takes."""
+    from lightning_fsdp_resume import cli
+
+    assert set(cli.FLAGS) == set(_whole_read.KEYWORDS)
+    help_text = subprocess.run([sys.executable, "-m", "lightning_fsdp_resume", "consolidate", "--help"],
+                               capture_output=True, text=True, timeout=120).stdout
+    for flag in cli.FLAGS.values():
+        assert flag.split()[0] in help_text, flag
+
+
+def test_consolidate_is_public_and_speaks_in_keyword_arguments(tmp_path):
+    import lightning_fsdp_resume
+
+    assert lightning_fsdp_resume.consolidate is consolidate and "consolidate" in lightning_fsdp_resume.__all__
+    with pytest.raises(ValueError) as refused:
+        lightning_fsdp_resume.consolidate(tmp_path / "src", tmp_path / "out", module="net")
+    assert "--" not in str(refused.value) and "\x00" not in str(refused.value)
 
 
 # --- weights only and safetensors of real checkpoints: Fabric's in this process, the Trainer's 2-rank runs ---

@@ -323,7 +323,7 @@ def test_consolidate_ema_of_a_checkpoint_without_an_average_is_refused(tmp_path)
 
     plain = tmp_path / "plain"
     _run(plain, "--ema", 0, "--reference", 0, "--epochs", 1)
-    with pytest.raises(ValueError, match=r"--ema: the checkpoint '.*epoch=0\.ckpt' holds no average of the weights"):
+    with pytest.raises(ValueError, match=r"ema=True: the checkpoint '.*epoch=0\.ckpt' holds no average of the weights"):
         consolidate(plain / "ckpt" / "epoch=0.ckpt", tmp_path / "ema.ckpt", progress=False, ema=True)
     assert not (tmp_path / "ema.ckpt").exists()
 
