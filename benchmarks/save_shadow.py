@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ema_cost import WIDTH, launch, layers_of, printed, ran_as_rank, sized_options
-from resume_benchmark import _median_and_spread, cells_table, judged
+from resume_benchmark import _median_and_spread, cells_table, judged, table
 
 SAVES = ("none", "sync", "background")  # a trial's windows, in the order they run
 SHADOW_RATIO_LIMIT = 0.3  # the background save's shadow / the synchronous save's
@@ -38,6 +38,20 @@ EMA_SHARE_LIMIT = 0.02  # ShardedEMA's update at update_every_n_steps=1 / a whol
 OUTPUTS = 8  # the head's outputs (checkpoint_ranks.Model)
 _RAW_BLOCK = 8 << 20
 _DISTCP = re.compile(r"__(\d+)_\d+\.distcp$")  # torch DCP's file of one rank's shards; rank 0 writes the rest
+
+
+def targets_markdown() -> str:
+    """The targets ``targets`` judges, with their limits, from the constants above: docs/benchmark.md quotes this table
+    (tests/test_docs.py)."""
+    rows = [
+        ("a save in the background's shadow (its window less the window without a save) / a synchronous save's",
+         f"≤ {SHADOW_RATIO_LIMIT:g}"),
+        ("a synchronous save's time / the disk's write of its files, by as many processes, to new files, fsynced",
+         f"≤ {RAW_RATIO_LIMIT:g}"),
+        ("the first save in the background's stall / a synchronous save's time", f"≤ {FIRST_STALL_LIMIT:g}"),
+        ("`ShardedEMA`'s update at `update_every_n_steps=1` / a whole step (forward, backward, optimizer)", f"≤ {EMA_SHARE_LIMIT:g}"),
+    ]
+    return table(["target, at each size (the ratio of the trials' medians)", "limit"], rows)
 
 
 # --- the rank program -------------------------------------------------------------------------------------------------
