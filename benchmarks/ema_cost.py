@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from resume_benchmark import cells_table
 
@@ -26,6 +26,11 @@ UPDATE_TARGET = 0.10  # update / optimizer step
 MEMORY_TARGET = 1.05  # the average's resident memory / one float32 shard
 WIDTH = 1024
 BYTES_PER_WEIGHT = 4 * 3  # the weight and Adam's two states, float32
+
+
+def layers_of(size: float) -> int:
+    """Square ``WIDTH`` layers that hold ``size`` GB of training state (weights and Adam's two states, float32)."""
+    return max(1, round(size * 1e9 / BYTES_PER_WEIGHT / (WIDTH * WIDTH)))
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -42,7 +47,7 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     enable_cpu_fsdp()
     torch.manual_seed(0)
-    layers = max(1, round(args.size * 1e9 / BYTES_PER_WEIGHT / (WIDTH * WIDTH)))
+    layers = layers_of(args.size)
     model = FSDP(nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH)) for _ in range(layers))),
                  auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), device_id=torch.device("cpu"))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -73,16 +78,22 @@ def rank_main(args: argparse.Namespace) -> None:
     leave_process_group()
 
 
-def measure(size: float, ranks: int, repeats: int, steps: int) -> Dict:
-    """One size on ``ranks`` ranks: every rank's record."""
+def launch(script: Path, ranks: int, options: Dict[str, Any]) -> List[Dict]:
+    """``script``'s rank program (``--rank-program``) on ``ranks`` ranks under torchrun, with ``options`` and an ``--out``
+    folder for each rank's record: every rank's record, by rank."""
     with tempfile.TemporaryDirectory() as out:
         here = Path(__file__).resolve()
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    PYTHONPATH=os.pathsep.join([str(here.parents[1]), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+        arguments = [str(item) for pair in {**options, "--out": out}.items() for item in pair]
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                        str(here), "--rank-program", "--size", str(size), "--out", out, "--repeats", str(repeats),
-                        "--steps", str(steps)], check=True, env=env, stdout=subprocess.DEVNULL)
-        return {"size": size, "records": [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]}
+                        str(script), "--rank-program", *arguments], check=True, env=env, stdout=subprocess.DEVNULL)
+        return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+
+
+def measure(size: float, ranks: int, repeats: int, steps: int) -> Dict:
+    """One size on ``ranks`` ranks: every rank's record."""
+    return {"size": size, "records": launch(Path(__file__).resolve(), ranks, {"--size": size, "--repeats": repeats, "--steps": steps})}
 
 
 def _spread(values: Sequence[float]) -> str:
@@ -115,25 +126,43 @@ def report(rows: List[Dict], ranks: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--sizes", default="0.4,1.6", help="GB of training state, comma-separated (default 0.4,1.6)")
+    parser = sized_options(__doc__, "0.4,1.6")
     parser.add_argument("--repeats", type=int, default=5, help="at least 3 (default 5)")
     parser.add_argument("--steps", type=int, default=5, help="steps and updates timed in each repeat (default 5)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the records behind the table here")
-    parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--size", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rank_program:
-        rank_main(args)
+    if ran_as_rank(args, rank_main):
         return 0
     if args.repeats < 3:
         parser.error("--repeats: at least 3, for a median and its spread")
     rows = records([measure(float(size), args.ranks, args.repeats, args.steps) for size in args.sizes.split(",")])
-    print(report(rows, args.ranks))
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
+    return printed(report(rows, args.ranks), rows, args.json)
+
+
+def sized_options(doc: str, sizes: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that launches its rank program for each of ``--sizes`` (``launch``): ``--ranks``,
+    ``--sizes``, ``--json``, and the rank program's own."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--sizes", default=sizes, help=f"GB of training state, comma-separated (default {sizes})")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the records behind the tables here")
+    parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser
+
+
+def ran_as_rank(args: argparse.Namespace, rank_main: Callable[[argparse.Namespace], None]) -> bool:
+    """Whether this process is a rank (``--rank-program``, launched by ``launch``): then it has run ``rank_main``."""
+    if args.rank_program:
+        rank_main(args)
+    return bool(args.rank_program)
+
+
+def printed(text: str, rows: Any, path: Optional[Path]) -> int:
+    """Print a benchmark's tables, and write the records they are printed from to ``path``, where given."""
+    print(text)
+    if path is not None:
+        path.write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
     return 0
 
 

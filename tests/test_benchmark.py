@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from support.flavours import PATCHABLE_TRAINERS
-from support.marks import ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU, S3_PACKAGES, importable, long_runs, needs_cpu_fsdp
+from support.marks import ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU, S3_PACKAGES, importable, long_runs, needs_cpu_fsdp, needs_patched_trainer
 from support.ranks import _run
 
 pytestmark = [pytest.mark.multirank, needs_cpu_fsdp]
@@ -304,3 +304,131 @@ def test_the_data_cursor_benchmark_rows_agree_with_their_figures_and_targets(tmp
         met = row["seconds"] <= 1.0 and row["mb"] <= 100
         assert row["verdict"] == ({True: "met", False: "MISSED"}[met] if row["way"] == "cursor" else "-"), row
         assert row["seconds"] > 0 and row["seconds_spread"] >= 0 and row["mb_spread"] >= 0
+
+
+# save_shadow.py's targets, the issue's limits, named with each size's state (in GB)
+SHADOW_TARGETS = {"background save's shadow / sync save's shadow": 0.3, "sync save / raw write of its files": 1.3,
+                  "first background stall / sync save": 0.05, "ShardedEMA update / step at update_every_n_steps=1": 0.02}
+SHADOW_SAVES = ["none", "sync", "background"]
+
+
+@pytest.fixture(scope="module")
+def shadow_run(tmp_path_factory):
+    """save_shadow.py once, at its smallest: 0.01 GB on 2 ranks, 2 trials of 4-step windows saving after the first step,
+    ShardedEMA every step and every 2. Its output and its records."""
+    tmp = tmp_path_factory.mktemp("shadow")
+    records_at = tmp / "records.json"
+    output = _run([sys.executable, str(BENCHMARKS / "save_shadow.py"), "--sizes", "0.01", "--trials", "2", "--steps", "4",
+                   "--save-at", "1", "--ema-every", "1,2", "--workdir", str(tmp), "--json", str(records_at)])
+    assert [p.name for p in tmp.iterdir()] == ["records.json"], "the checkpoints and raw files of each trial are removed"
+    return output, json.loads(records_at.read_text(encoding="utf-8"))
+
+
+def _shows_median_and_spread(cell: str, values, scale: float = 1.0) -> bool:
+    """Whether ``cell`` holds the median of ``values`` with their min–max in brackets (times ``scale``: 1e3 for ms)."""
+    median, low, high = re.search(r"(-?[\d.]+) \((-?[\d.]+)–(-?[\d.]+)\)", cell).groups()
+    return all(_shows(shown, value * scale) for shown, value in
+               ((median, statistics.median(values)), (low, min(values)), (high, max(values))))
+
+
+def _slowest(windows):
+    """A window of every rank as the slowest rank's: the longest window and step, and the steps that began while a
+    rank's save was being written (from its call to its being in place)."""
+    steps = [max(step) for step in zip(*([b - a for a, b in zip([0.0, *w["stamps"]], w["stamps"])] for w in windows))]
+    during = [any(w["saved_at"] is not None and w["saved_at"] <= begun < w["written"] for w, begun in zip(windows, begun_on))
+              for begun_on in zip(*([0.0, *w["stamps"][:-1]] for w in windows))]
+    return max(w["window"] for w in windows), steps, during
+
+
+@needs_patched_trainer
+def test_the_save_shadow_benchmark_takes_each_shadow_from_its_own_trials_windows(shadow_run):
+    """Each trial's windows are the slowest rank's, each shadow that window less the same trial's window without a save,
+    the steps during the write those that began between the save's call and its being in place; each row shows the
+    medians of those figures over the trials, with their spread."""
+    _, records = shadow_run
+    (size,) = records["sizes"]
+    assert len(size["trials"]) == 2 and len(size["ranks"]) == 2
+    for index, trial in enumerate(size["trials"]):
+        per_rank = [rank["trials"][index] for rank in size["ranks"]]
+        for save in SHADOW_SAVES:
+            window, steps, during = _slowest([r[save] for r in per_rank])
+            shown = trial["windows"][save]
+            assert (shown["window"], shown["steps"], shown["during"]) == (window, steps, during) and len(steps) == 4, save
+            if save != "none":
+                assert trial["shadow"][save] == window - trial["windows"]["none"]["window"], save
+                assert shown["stall"] == max(r[save]["stall"] for r in per_rank), save
+                assert shown["written"] == max(r[save]["written"] - r[save]["saved_at"] for r in per_rank), save
+        assert not any(trial["windows"]["sync"]["during"]) and not any(trial["windows"]["background"]["during"][:1])
+        assert trial["step"] == statistics.median(trial["windows"]["none"]["steps"])
+        assert trial["during"] == [s for s, d in zip(trial["windows"]["background"]["steps"], trial["windows"]["background"]["during"]) if d]
+    rows = records["windows"]
+    assert [row["save"] for row in rows] == SHADOW_SAVES
+    for row in rows:
+        trials = size["trials"]
+        assert row["windows"] == [t["windows"][row["save"]]["window"] for t in trials]
+        assert _shows_median_and_spread(row["cells"]["window s"], row["windows"]), row
+        if row["save"] == "none":
+            assert row["step"] == [t["step"] for t in trials] and _shows_median_and_spread(row["cells"]["median step ms"], row["step"], 1e3)
+            continue
+        for key, cell in (("shadow", "shadow s"), ("stall", "stall s"), ("written", "in place after s")):
+            figures = [t["shadow"][row["save"]] if key == "shadow" else t["windows"][row["save"]][key] for t in trials]
+            assert row[key] == figures and _shows_median_and_spread(row["cells"][cell], figures), (row, key)
+        counts = [sum(t["windows"][row["save"]]["during"]) for t in trials]
+        assert row["during"] == counts and row["cells"]["steps during the write"] == f"{statistics.median(counts):g} of 4", row
+    background = rows[2]
+    if background["step during"]:
+        assert background["step during"] == [statistics.median(t["during"]) for t in size["trials"] if t["during"]]
+        assert background["during / without"] == statistics.median(background["step during"]) / statistics.median(background["step without"])
+        assert _shows_median_and_spread(background["cells"]["median step ms"], background["step during"], 1e3), background
+
+
+@needs_patched_trainer
+def test_the_save_shadow_benchmark_rows_of_the_disk_and_of_shardedema_agree_with_their_figures(shadow_run):
+    """The raw write is as many files and bytes as the synchronous save wrote, its time the slowest rank's; ShardedEMA's
+    window holds steps / n updates for each n, its time per step is the slowest rank's total over the window's steps, and
+    its share of a step the median of that over the median step without a save."""
+    _, records = shadow_run
+    (size,), (disk,) = records["sizes"], records["disk"]
+    trials = size["trials"]
+    for index, trial in enumerate(trials):
+        per_rank = [rank["trials"][index] for rank in size["ranks"]]
+        files = per_rank[0]["files"]
+        assert all(r["files"] == files for r in per_rank) and "meta.pt" in dict(files)
+        assert trial["raw"] == {"seconds": max(r["raw"]["seconds"] for r in per_rank), "bytes": sum(size for _, size in files),
+                                "files": len(files)}
+        assert trial["saved bytes"] == trial["raw"]["bytes"] and [r["raw"]["files"] for r in per_rank] == [len(files) - 1, 1]
+        for n, ema in trial["ema"].items():
+            updates = [r["ema"][n]["updates"] for r in per_rank]
+            assert [len(u) for u in updates] == [4 // int(n)] * 2 and ema["updates"] == 4 // int(n), n
+            assert ema["update"] == max(statistics.median(u) for u in updates) and ema["per step"] == max(sum(u) for u in updates) / 4, n
+    assert (disk["sync"], disk["raw"]) == ([t["windows"]["sync"]["stall"] for t in trials], [t["raw"]["seconds"] for t in trials])
+    assert disk["stall"] == [t["windows"]["background"]["stall"] for t in trials]
+    for key, cell in (("sync", "sync save s"), ("raw", "raw write s"), ("stall", "first background stall s")):
+        assert _shows_median_and_spread(disk["cells"][cell], disk[key]), (disk, key)
+    assert disk["cells"]["checkpoint MB"] == f"{trials[0]['saved bytes'] / 1e6:.1f} in {trials[0]['raw']['files']} files"
+    assert [row["every"] for row in records["ema"]] == [1, 2] and size["ema steps"] == 4
+    for row in records["ema"]:
+        per_step, step = [t["ema"][str(row["every"])]["per step"] for t in trials], [t["step"] for t in trials]
+        assert (row["per step"], row["step"]) == (per_step, step) and row["share"] == statistics.median(per_step) / statistics.median(step)
+        assert _shows_median_and_spread(row["cells"]["per step ms"], per_step, 1e3) and _shows_median_and_spread(row["cells"]["step ms"], step, 1e3)
+        assert _shows_median_and_spread(row["cells"]["update ms"], row["update"], 1e3) and _shows(row["cells"]["share of a step"], row["share"])
+
+
+@needs_patched_trainer
+def test_the_save_shadow_benchmark_judges_every_target_from_the_medians_of_its_rows_and_prints_its_records(shadow_run):
+    """A target a size for each of the issue's four, named, with its limit; each the ratio of two medians of the rows
+    above, its verdict what value and limit make it; every printed table is its records' cells."""
+    output, records = shadow_run
+    (size,) = records["sizes"]
+    targets = records["targets"]
+    gb = f"{size['state'] / 1e9:.2f} GB"
+    assert [t["cells"]["target"] for t in targets] == [f"{name}, {gb}" for name in SHADOW_TARGETS]
+    assert [t["limit"] for t in targets] == list(SHADOW_TARGETS.values())
+    windows, (disk,), ema = {row["save"]: row for row in records["windows"]}, records["disk"], records["ema"][0]
+    medians = [[windows["background"]["shadow"], windows["sync"]["shadow"]], [disk["sync"], disk["raw"]], [disk["stall"], disk["sync"]],
+               [ema["per step"], ema["step"]]]
+    for target, (over, under) in zip(targets, medians):
+        assert target["formula"] == "ratio" and target["of"] == [statistics.median(over), statistics.median(under)], target
+        _agrees(target, size["state"])
+    assert _tables(output) == [[list(rows[0]["cells"]), *([*row["cells"].values()] for row in rows)]
+                               for rows in (records["windows"], records["disk"], records["ema"], targets)]

@@ -125,14 +125,15 @@ def test_the_workflow_table_is_the_one_the_workflow_tests_check():
 
 
 def test_the_benchmark_documents_quote_the_targets_the_benchmarks_check():
-    """docs/benchmark.md's table of targets is the one the benchmark prints from its constants; the data position's
-    target is quoted from its benchmark's."""
+    """docs/benchmark.md's tables of targets are the ones the benchmarks print from their constants (the resume
+    benchmark's, the save's shadow's); the data position's target is quoted from its benchmark's."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import data_position
         import resume_benchmark
+        import save_shadow
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     text = (ROOT / "docs" / "benchmark.md").read_text()
-    assert resume_benchmark.targets_markdown() in text
+    assert resume_benchmark.targets_markdown() in text and save_shadow.targets_markdown() in text
     assert f"Target: leaving out by index costs at most {data_position.TARGET:.0%}".replace("%", " %") in text
