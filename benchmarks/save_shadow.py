@@ -72,7 +72,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import lightning_fsdp_resume as shim
     from checkpoint_ranks import Block, L, Model, full_state_bytes, host_buffers_ahead
     from lightning_fsdp_resume import _background
-    from lightning_fsdp_resume._held import StrategyHeld, peek
+    from lightning_fsdp_resume._held import ModuleHeld, StrategyHeld, drop, peek
     from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
 
     enable_cpu_fsdp()
@@ -117,11 +117,22 @@ def rank_main(args: argparse.Namespace) -> None:
                 shim.wait_for_saves(trainer)
                 self.record["window"] = self.now()
 
+    # One model for every fit: torch's FSDP keeps each deleted FSDP module's flat shards alive (torch 2.13 on the CPU,
+    # without Lightning too), so a new model a fit would grow every rank by its shard each fit. A model keeps its FSDP
+    # root from its first fit on; before each fit it is made new to the package (no views of an earlier save to reuse,
+    # no average attached), so that each fit's first save is a first save.
+    model = Model(WIDTH, layers, OUTPUTS)
+    state = full_state_bytes(model)  # before FSDP holds only this rank's shard of it
+
     def fit(steps: int, save: str = "none", path: str = "", every_n: int = 0) -> Dict[str, Any]:
         L.seed_everything(0, workers=False)
-        model = Model(WIDTH, layers, OUTPUTS)
+        kept = peek(model, ModuleHeld)
+        if kept is not None:
+            kept.participants.clear()
+            if kept.fsdp_root is not None:
+                drop(kept.fsdp_root)
         window = Window(steps, save, path)
-        window.record["state"] = full_state_bytes(model)  # before FSDP holds only this rank's shard of it
+        window.record["state"] = state
         callbacks: List[Any] = [window]
         if every_n:
             ema = shim.ShardedEMA(update_every_n_steps=every_n)
@@ -146,8 +157,8 @@ def rank_main(args: argparse.Namespace) -> None:
             enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=args.batch))
-        del trainer, model, callbacks
-        gc.collect()  # this fit's model, optimizer and host buffers gone before the next is made
+        del trainer, callbacks
+        gc.collect()  # this fit's optimizer and host buffers gone before the next fit
         return window.record
 
     fit(args.steps)  # unmeasured: the process's first fit pays for what later ones find made (imports, gloo's first collectives)
