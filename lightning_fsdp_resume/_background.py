@@ -173,11 +173,14 @@ class Staging:
         self.preparing: Optional[threading.Thread] = None
         self.prepared: Set[int] = set()  # the optimizers whose tensors have buffers made (by id)
 
-    def prepare(self, live: Live) -> None:
+    def prepare(self, live: Live, ahead: Optional[Callable[[], Any]] = None) -> None:
         """Before the first save: a buffer for each of ``live``'s storages that has none, made and every page faulted
         in by a thread while training goes on (torch's checkpoint modules imported too), so that the first save, like
-        every later one, copies into resident memory. A thread still making the last ones is waited for by the new
-        one, not here."""
+        every later one, copies into resident memory; then, where given, the state ``ahead()`` builds (what the save
+        will store), its host copies laid out in those buffers (``host_copy``, which copies a buffer once a save:
+        these are this save's, so nothing is copied), so that the first save, like every later one, finds the views and
+        host ``ShardedTensor``s it reuses made. A thread still making the last ones is waited for by the new one, not
+        here."""
         wanted = [(ptr, storage.nbytes(), device) for (device, ptr), storage in live.storages.items()]
         before = self.preparing
 
@@ -188,6 +191,13 @@ class Staging:
             for key in wanted:
                 if key not in self.this_save:
                     self.this_save[key] = _host_buffer(key[1], key[2], touched=True)
+            if ahead is not None:
+                try:
+                    host_copy(ahead(), live, self)
+                except Exception as unknown:  # a state the save builds otherwise (every rank decides that, then): none ahead
+                    import logging
+
+                    logging.getLogger(__name__).debug("lightning_fsdp_resume: nothing built ahead of saves: %s.", unknown)
 
         self.preparing = threading.Thread(target=make, name="lightning_fsdp_resume: host buffers for saves", daemon=True)
         self.preparing.start()
@@ -253,16 +263,18 @@ def staging(strategy: Any) -> Staging:
     return kept
 
 
-def prepare(strategy: Any, optimizer: Any, tensors: Callable[[], Iterable[Any]]) -> None:
+def prepare(strategy: Any, optimizer: Any, tensors: Callable[[], Iterable[Any]],
+            ahead: Optional[Callable[[], Any]] = None) -> None:
     """After ``optimizer``'s first step (its states exist then), once: ``Staging.prepare`` for the storages of
-    ``tensors()``, what training changes of it and the module, so that no save, the first included, waits for new
-    memory; and the threads' process group, so that the first save does not wait for its making either (a
-    collective: every rank's first step comes here; 12 ms to 0.3 s inside a first save on 2 CPU ranks)."""
+    ``tensors()``, what training changes of it and the module, and the state ``ahead()`` builds of them, so that no
+    save, the first included, waits for new memory or builds what later saves reuse; and the threads' process group,
+    so that the first save does not wait for its making either (a collective: every rank's first step comes here;
+    12 ms to 0.3 s inside a first save on 2 CPU ranks)."""
     kept = _staging(strategy)
     if id(optimizer) not in kept.prepared:
         kept.prepared.add(id(optimizer))
         process_group(strategy)
-        kept.prepare(Live(tensors()))
+        kept.prepare(Live(tensors()), ahead)
 
 
 def prepare_also(strategy: Any, tensors: Callable[[], Iterable[Any]]) -> None:

@@ -6,6 +6,7 @@ here everything the package may have left on it (``_patches.HELD`` says which pa
 No torch, no Lightning: the fields' values are the types of the modules that use them.
 """
 import dataclasses
+import weakref
 from typing import Any, Dict, Optional, Type, TypeVar
 
 ATTRIBUTE = "_lightning_fsdp_resume"
@@ -28,7 +29,7 @@ class ModuleHeld:
     fsdp_root: Any = None  # _strategy: the FSDP root a LightningModule's first run made, for every later run
     participants: Dict[str, Any] = dataclasses.field(default_factory=dict)  # _participants: what its checkpoints carry, by key
     views: Dict[Any, Any] = dataclasses.field(default_factory=dict)  # _shard_views: the last save's, by name
-    optimizer_views: Any = None  # _shard_views: the same by optimizer (weakly: kept while the optimizer lives)
+    optimizer_views: Any = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # _shard_views: the same by optimizer (kept while it lives)
 
 
 @dataclasses.dataclass

@@ -87,13 +87,15 @@ def preparing_background_saves(original_optimizer_step: Callable, asked: Callabl
                                module: Callable[[Any], Any] = lambda strategy: None) -> Callable:
     """A strategy's ``optimizer_step`` that, after each optimizer's first step, where sharded saves are ``asked`` to be
     written in the background and can be, has host buffers for its tensors and the strategy's ``module`` made once,
-    off the training thread (``_background.prepare``)."""
+    and the views of them a save stores (built from the shards), off the training thread (``_background.prepare``)."""
 
     @functools.wraps(original_optimizer_step)
     def optimizer_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         result = original_optimizer_step(self, optimizer, *args, **kwargs)
         if asked(self) and state_dict_type(self) == _format.SHARDED and compat.saves_in_background() and compat.distributed():
-            _background.prepare(self, optimizer, lambda: training_tensors(module(self), [optimizer]))
+            root = module(self)
+            ahead = _shard_views.ahead(root, optimizer) if root is not None and compat.through_flat_shards() else None
+            _background.prepare(self, optimizer, lambda: training_tensors(root, [optimizer]), ahead)
         return result
 
     return optimizer_step

@@ -3,7 +3,6 @@ gathering and no copy: each rank's rectangles of a parameter are views of its fl
 ``UnknownLayout``: FSDP's builder instead, on every rank (``agreed``). torch is imported inside the functions.
 """
 import copy
-import weakref
 from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
 
 from . import _shard_layout
@@ -40,13 +39,19 @@ def _reusing(model: Any, kind: Any, build: Callable[["_Reuse"], Dict[str, Any]])
     """``build(reuse)``, with the ``ShardedTensor``s ``model``'s last build of ``kind`` made (a name, or an optimizer:
     kept while it lives)."""
     built = held(model, ModuleHeld)  # what the root module's last sharded state dicts were built of
-    if built.optimizer_views is None:
-        built.optimizer_views = weakref.WeakKeyDictionary()
     kept = built.optimizer_views if not isinstance(kind, str) else built.views
     reuse = _Reuse(kept.get(kind, {}))
     state = build(reuse)
     kept[kind] = reuse.now
     return state
+
+
+def ahead(model: Any, optimizer: Any) -> Callable[[], List[Dict[str, Any]]]:
+    """``model_state`` and ``optimizer_state`` of ``model`` and ``optimizer``, to build on another thread before the
+    first save, which then finds its views made: they are only reused where a save's own build asks for the same
+    view of the same storage. Their holder is made here, on the caller's thread, where the holder's other users are."""
+    held(model, ModuleHeld)
+    return lambda: [model_state(model), optimizer_state(model, optimizer)]
 
 
 def agreed(build: Any, *args: Any) -> Dict[str, Any]:

@@ -184,3 +184,45 @@ def test_a_later_save_in_the_background_copies_into_the_host_tensors_of_the_last
     step()
     assert_identical(expected, values(later), "the copy after another step")
     assert any(not torch.equal(expected[name], now) for name, now in values(_saving.model_state(model, "sharded", offload=False)).items())
+
+
+def test_the_first_save_in_the_background_finds_what_later_saves_reuse_built_ahead(process_group):
+    """After an optimizer's first step a thread makes the host buffers and builds, in them, what every save reuses
+    (the views of the shards and their host ``ShardedTensor``s, ``_background.prepare``), so that the first save's
+    stall is its copy alone, as a later one's: that save returns those very tensors, holding the state at the save;
+    a state the thread cannot build leaves the buffers made and the save building it."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from lightning_fsdp_resume import _background, _saving, _shard_views
+
+    def cannot() -> None:
+        raise _shard_views.UnknownLayout("not one built here")
+
+    for ahead in ("views", "none"):
+        torch.manual_seed(0)
+        model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"))
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        staging = _background.Staging()
+        live = _background.Live(_saving.training_tensors(model, [optimizer]))
+        staging.prepare(live, _shard_views.ahead(model, optimizer) if ahead == "views" else cannot)
+        staging.preparing.join()
+        built = {id(host) for _, host in staging.this_sharded.values()}
+        assert len(staging.this_save) == len(live.storages), "a host buffer for each live storage"
+        assert len(built) == (2 * 2 * 3 if ahead == "views" else 0), built  # 4 parameters, each with Adam's 2 states
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        state = {"model": _saving.model_state(model, "sharded", offload=False),
+                 "optimizer": _saving.optimizer_state(model, optimizer, "sharded", offload=False)["state"]}
+        expected = {name: value.local_shards()[0].tensor.clone() for name, value in state["model"].items()}
+        staging.begin()
+        copied = _background.host_copy(state, _background.Live(_saving.training_tensors(model, [optimizer])), staging)
+        hosts = [*copied["model"].values(), *(value for values in copied["optimizer"].values()
+                                             for key, value in values.items() if key != "step")]
+        assert len(hosts) == 2 * 2 * 3
+        assert all(host.local_shards()[0].tensor.device.type == "cpu" for host in hosts)
+        assert {id(host) for host in hosts} == built or ahead == "none", "the first save built its host tensors again"
+        assert_identical(expected, {name: value.local_shards()[0].tensor for name, value in copied["model"].items()},
+                         "the first save's copy")
