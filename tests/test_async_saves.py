@@ -7,6 +7,7 @@ replacement is in place, or a save that did not wait for the one before it shows
 A write in the background is held until its save has returned: a save that waits for its write logs its return last.
 """
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,25 @@ def test_background_saves_hold_the_state_at_the_call_and_resume_exactly(tmp_path
             # and the background threads' process group made with them, after the first step, not by the first save
             assert saves.count("process-group made") == 1, saves
             assert saves.index("process-group made") < saves.index("save-called epoch=0.ckpt"), saves
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread has a CPU priority of its own on Linux alone")
+def test_a_save_in_the_background_is_written_at_the_lowest_cpu_priority_and_training_keeps_its_own(tmp_path):
+    import os
+    import threading
+    import types
+
+    from lightning_fsdp_resume import _background
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    strategy, seen = types.SimpleNamespace(global_rank=0), {}
+    training = priority()
+    _background.start(strategy, tmp_path, lambda: seen.update(write=priority()), lambda: seen.update(publish=priority()))
+    _background.wait(strategy)
+    assert seen == {"write": 19, "publish": 19}
+    assert priority() == training
 
 
 @needs_async_save
