@@ -737,13 +737,13 @@ import json, sys, time
 from pathlib import Path
 import torch.distributed.checkpoint
 from peak_rss import PeakRss
-from lightning_fsdp_resume import _consolidate, _whole_read, _preflight
-from lightning_fsdp_resume._storage import checked, open_path
+from lightning_fsdp_resume import _consolidate, _reader, _whole_read
+from lightning_fsdp_resume._storage import open_path
 src, dst, options = open_path(sys.argv[1], "read"), Path(sys.argv[2]), json.loads(sys.argv[3])
-index = checked.index(src)
+index = _reader.index(src)
 sizes = {key: entry.size.numel() * entry.properties.dtype.itemsize
          for key, entry in index.state_dict_metadata.items() if hasattr(entry, "properties")}
-selected = _whole_read.select_weights(src, index, _preflight.read_meta(src), None)
+selected = _whole_read.select_weights(src, None)
 weights = [sizes[key] for keys in selected.keys.values() for key in keys if key in sizes]
 read_whole = options.pop("read_whole", False)
 if read_whole:

@@ -6,7 +6,7 @@ import math
 import sys
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
-from . import _format, _preflight, _safetensors, _storage, _whole_read
+from . import _format, _preflight, _reader, _safetensors, _storage, _whole_read
 from ._storage import Location, checked
 from ._whole_read import option, refusal
 
@@ -63,9 +63,8 @@ def consolidate(
 def _read_weights(src: Location, dtype: Optional[str], module: Optional[str], progress: bool,
                   ema: bool) -> Tuple[Dict[str, Any], _whole_read.Summary]:
     """The weights-only checkpoint of ``src``, reading the model's tensors (or their average, ``ema``) alone."""
-    metadata = checked.index(src)
-    meta = _preflight.read_meta(src)
-    selected = _whole_read.select_weights(src, metadata, meta, module, ema)
+    selected = _whole_read.select_weights(src, module, ema)
+    metadata, meta = _reader.index(src), _reader.meta(src)
     flat, tensor_bytes = _whole_read.read_flat(src, metadata, progress, [key for keys in selected.keys.values() for key in keys])
     entries = _whole_read.nest(flat, metadata, src)
     cast = _torch_dtype(dtype)
@@ -102,9 +101,8 @@ def _write_safetensors(src: Location, dst: Location, dtype: Optional[str], modul
                        ema: bool) -> _whole_read.Summary:
     """One module's weights as a safetensors file: the header from the shard index, then each tensor read
     from the shards, cast and written before the next is read."""
-    metadata = checked.index(src)
-    meta = _preflight.read_meta(src)
-    selected = _whole_read.select_weights(src, metadata, meta, module, ema)
+    selected = _whole_read.select_weights(src, module, ema)
+    metadata, meta = _reader.index(src), _reader.meta(src)
     if len(selected.keys) > 1:
         raise refusal(ValueError,
             f"The Fabric checkpoint {str(src)!r} holds several modules ({_whole_read.quoted_names(list(selected.keys))}); a safetensors"

@@ -7,7 +7,7 @@ import importlib
 import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Set, Tuple
 
-from . import _format, _lightning_reads, _loading, _preflight, _saving, _signature, _storage
+from . import _format, _lightning_reads, _loading, _preflight, _reader, _saving, _signature, _storage
 from . import _torch_compat as compat
 from ._storage import Location
 
@@ -159,7 +159,7 @@ class _FabricLoad(_loading.Request):
     def check(self, path: Location) -> Tuple[_format.StateDictType, Set[str]]:
         """Rank 0: the checkpoint's kind and entries, once it is complete and holds what ``state`` asks for."""
         kind, _ = super().check(path)
-        entries = _preflight.checkpoint_entries(path, kind)
+        entries = _reader.entries(path, kind)
         module_key = self.module_key
         missing = [key for key in [module_key, *self.requested] if key not in entries]
         if module_key in missing or (self.strict and missing):

@@ -8,7 +8,7 @@ import functools
 import re
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from . import _background, _format, _preflight, _shard_layout, _storage
+from . import _background, _format, _preflight, _reader, _shard_layout, _storage
 from . import _torch_compat as compat
 from ._ranks import broadcast, decided_on_rank_zero, raise_found_on_any_rank, warn_rank_zero
 from ._storage import Location, checked
@@ -94,16 +94,16 @@ def load(strategy: Any, path: Any, request: Request) -> Dict[str, Any]:
     # rank 0 reads through the location it checked, whose index it has read already
     path = opened.get(resolved) or _storage.open_path(resolved, "load", request.trusted)
     if kind == _format.SHARDED:
-        shards = checked.index(path)
+        shards = _reader.index(path)
         restore = request.plan(path, _format.count_saved_optimizers(shards.state_dict_metadata), verdict)
         _shard_layout.drop_gathered_copies(restore.module)
         load_sharded(path, restore, shards)
-        rest = _preflight.read_meta(path)
+        rest = _reader.meta(path)
     else:
         # the node's ranks check the file's CRC-32s a share each, before any rank uses a byte of it
         share = (strategy.local_rank, strategy.num_processes)
         together = checked.check_file_together(path, share if 0 <= share[0] < share[1] else (0, 1))
-        rest = _preflight.read_full(path, request.required, together)
+        rest = _reader.full(path, request.required, together)
         stored = request.take(rest)
         restore = request.plan(path, _format.count_saved_optimizers(stored), verdict)
         optimizer_states = {key: stored[key] for key in restore.optimizers}

@@ -1,9 +1,10 @@
 """Checks made before anything is loaded: a checkpoint that is incomplete, damaged or for another model
-is refused with the path, what was found and what to do. Nothing here writes to the checkpoint.
+is refused with the path, what was found and what to do. Its index and ``meta.pt`` are read by ``_reader``, where
+the load then finds them read; nothing here writes to the checkpoint.
 """
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
-from . import _checksums, _format, _zip_checks
+from . import _checksums, _format, _reader, _zip_checks
 from ._ranks import describe
 from ._storage import Location, checked
 from ._unpickling import UnsafeCheckpointError
@@ -64,7 +65,7 @@ def _check_sharded(path: Location) -> None:
         for relative, file_sums in sums.items():
             file_sums.check_size(listed_size(path, files, relative))
     try:
-        shards = checked.index(path)
+        shards = _reader.index(path)
     except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
         raise
     except Exception as error:
@@ -78,7 +79,7 @@ def _check_sharded(path: Location) -> None:
             raise ValueError(f"The shard file {str(shard)!r} is truncated: {size} bytes, {needed} expected." + incomplete)
     if not path.trusted:
         _unpickle_entries(path, shards)
-    read_meta(path)
+    _reader.meta(path)
 
 
 def _unpickle_entries(path: Location, shards: Any) -> None:
@@ -97,57 +98,6 @@ def listed_size(path: Location, files: Dict[str, Any], relative: str) -> Optiona
 def _file_size(entry: Any) -> Optional[int]:
     """The size of a file a listing or a stat found (a ``_storage`` entry); None where it found no file."""
     return None if entry is None or entry.is_dir else entry.size
-
-
-def read_meta(path: Location) -> Dict[str, Any]:
-    """A sharded checkpoint's ``meta.pt``: everything but the model and optimizer states."""
-    meta = path / _format.METADATA_FILENAME
-    try:
-        content = checked.load_member(path, _format.METADATA_FILENAME)
-    except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
-        raise
-    except Exception as error:
-        raise ValueError(f"{str(meta)!r} cannot be read ({describe(error)}). The checkpoint is damaged; resume from"
-                         " another one.") from error
-    if not isinstance(content, dict):
-        raise ValueError(f"{str(meta)!r} holds a {type(content).__name__}, not a checkpoint's metadata dict.")
-    return dict(content)  # the caller's to change; read once per location
-
-
-def read_full(path: Location, required: Optional[str] = "state_dict", checked_together: bool = False) -> Dict[str, Any]:
-    """A full checkpoint file, memory-mapped where torch allows; ``required``: an entry it must have;
-    ``checked_together``: every rank's ``checked.check_file_together`` checked it."""
-    try:
-        checkpoint = path.once("load", lambda: checked.load_file(path, lazy=True, checked_together=checked_together))
-    except (UnsafeCheckpointError, _checksums.DamagedCheckpointError):
-        raise
-    except Exception as error:
-        raise ValueError(
-            f"The file {str(path)!r} is not a checkpoint torch can read ({describe(error)}). Pass a checkpoint"
-            " written by `Trainer.save_checkpoint`, `ModelCheckpoint` or `Fabric.save`."
-        ) from error
-    if not isinstance(checkpoint, dict):
-        raise ValueError(f"The file {str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint's dict.")
-    if required is not None and required not in checkpoint:
-        raise ValueError(
-            f"The file {str(path)!r} is not a Lightning checkpoint: it has no {required!r}. Pass the path of a"
-            " checkpoint written by `Trainer.save_checkpoint` or `ModelCheckpoint`."
-        )
-    return dict(checkpoint)  # the caller's to change; read once per location
-
-
-def checkpoint_entries(path: Location, kind: str) -> Set[Any]:
-    """The top-level entries of a complete checkpoint: a full file's keys; a sharded one's stored objects
-    (modules and optimizers, from its index) and the keys of its ``meta.pt``."""
-    if kind == FULL:
-        return set(read_full(path, required=None))
-    shards = checked.index(path)
-    paths = getattr(shards, "planner_data", None) or {}
-    if paths:  # each flattened key's path of nested keys, from the saved dict down
-        stored = {nested[0] for nested in paths.values() if nested}
-    else:
-        stored = {key.partition(".")[0] for key in shards.state_dict_metadata}
-    return stored | set(read_meta(path))
 
 
 def _bytes_needed(shards: Any) -> Dict[str, int]:

@@ -6,7 +6,7 @@ import re
 import sys
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
 
-from . import _format, _preflight
+from . import _format, _reader
 from . import _torch_compat as compat
 from ._storage import Location, checked
 
@@ -47,10 +47,10 @@ class Summary(NamedTuple):
 
 def read_full_checkpoint(src: Location, progress: bool = False) -> Tuple[Dict[str, Any], Summary]:
     """The full checkpoint held by the sharded directory ``src``, in its writer's full format, and what it holds."""
-    metadata = checked.index(src)
+    metadata = _reader.index(src)
     flat, tensor_bytes = read_flat(src, metadata, progress)
     stored = nest(flat, metadata, src)
-    meta = _preflight.read_meta(src)
+    meta = _reader.meta(src)
     writer = _format.sharded_checkpoint_writer(stored, meta)
     if writer == _format.TRAINER:
         entries, weights, optimizers = _trainer_entries(stored)
@@ -70,9 +70,10 @@ class Weights(NamedTuple):
         return {entry: len(keys) for entry, keys in self.keys.items()}
 
 
-def select_weights(src: Location, metadata: Any, meta: Dict[str, Any], module: Optional[str], ema: bool = False) -> Weights:
+def select_weights(src: Location, module: Optional[str], ema: bool = False) -> Weights:
     """Which stored keys are the model's weights: the Trainer's ``model`` entry (``ema``: the average of them
     ``ShardedEMA`` saved, its ``ema`` entry); Fabric's module entries, or the one named ``module``."""
+    metadata, meta = _reader.index(src), _reader.meta(src)
     paths = _planner_paths(metadata, src)
     by_entry: Dict[str, List[str]] = {}
     for key in metadata.state_dict_metadata:  # the saved order: each module's keys in state_dict order

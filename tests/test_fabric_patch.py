@@ -97,16 +97,16 @@ def test_a_value_it_does_not_admit_is_refused_by_default_and_read_when_trusted(t
     """The checks read ``meta.pt`` and a full file as the load does (``weights_only`` decides ``trusted``)."""
     from fractions import Fraction
 
-    from lightning_fsdp_resume import UnsafeCheckpointError, _preflight
+    from lightning_fsdp_resume import UnsafeCheckpointError, _reader
     from lightning_fsdp_resume._storage import open_path
 
     checkpoint = {"model": {"w": torch.ones(2)}, "ratio": Fraction(1, 3)}  # a value the restricted unpickler refuses
     if kind == "full file":
         torch.save(checkpoint, tmp_path / "c.ckpt")
-        read = lambda trusted: _preflight.read_full(open_path(tmp_path / "c.ckpt", "load", trusted), None)  # noqa: E731
+        read = lambda trusted: _reader.full(open_path(tmp_path / "c.ckpt", "load", trusted), None)  # noqa: E731
     else:
         torch.save(checkpoint, tmp_path / "meta.pt")
-        read = lambda trusted: _preflight.read_meta(open_path(tmp_path, "load", trusted))  # noqa: E731
+        read = lambda trusted: _reader.meta(open_path(tmp_path, "load", trusted))  # noqa: E731
     with pytest.raises(UnsafeCheckpointError, match=r"names `fractions\.Fraction`.*load it with `weights_only=False`"):
         read(False)
     assert read(True)["ratio"] == Fraction(1, 3)

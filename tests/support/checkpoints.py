@@ -2,7 +2,7 @@
 for the tests that save and load through the patched strategy in one process."""
 from pathlib import Path
 
-from lightning_fsdp_resume import _preflight
+from lightning_fsdp_resume import _reader
 from lightning_fsdp_resume._storage import checked, open_path
 
 
@@ -24,4 +24,4 @@ def trainer_checkpoint(epoch: int) -> dict:
 def saved_epoch(path: Path) -> int:
     """The ``epoch`` of a saved checkpoint: a sharded directory's ``meta.pt`` or a full file."""
     location = open_path(path, "load")
-    return (_preflight.read_meta(location) if location.is_dir() else checked.load_file(location))["epoch"]
+    return (_reader.meta(location) if location.is_dir() else checked.load_file(location))["epoch"]
