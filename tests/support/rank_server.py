@@ -10,7 +10,7 @@ SIGKILL) and says which ones the server stopped.
 
 It serves the rank programs, the Trainer's (``trainer_worker``, ``mid_epoch_worker``) and Fabric's (``fabric_worker``), each
 imported once at start. ``ranks.py`` talks to it in JSON lines: a request ``{"worker", "args", "nproc",
-"logs", "timeout"}`` on stdin, a reply ``{"codes", "output"}`` on stdout.
+"logs", "timeout"}`` (and ``"grace"``, see ``launch``) on stdin, a reply ``{"codes", "output"}`` on stdout.
 ``LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun`` makes the tests launch with torchrun instead.
 """
 import json
@@ -73,8 +73,10 @@ def _rank(worker, args, rank: int, nproc: int, port: int, log: str) -> None:
         os._exit(code)
 
 
-def launch(worker, args, nproc: int, logs: str, timeout: float) -> dict:
-    """``nproc`` ranks of the worker; ``nproc=0``: one plain process, not launched as a rank."""
+def launch(worker, args, nproc: int, logs: str, timeout: float, grace: float = 0.0) -> dict:
+    """``nproc`` ranks of the worker; ``nproc=0``: one plain process, not launched as a rank. Once a rank fails the
+    others are stopped, after ``grace`` seconds in which they may end by themselves (a test that expects every rank to
+    fail alike, each with its own error, gives them that long; one left waiting for the failed rank is stopped then)."""
     port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -88,18 +90,21 @@ def launch(worker, args, nproc: int, logs: str, timeout: float) -> dict:
     codes = {}
     stopped = {}  # rank: why the server killed it (it did not fail by itself)
     deadline = time.monotonic() + timeout
+    failed = None  # the first rank that failed, and when the others are stopped if they have not ended by then
     while len(codes) < len(children):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if time.monotonic() > deadline:
                 _stop(children, codes, stopped, f"killed after the {timeout} s timeout")
                 deadline = float("inf")
+            elif failed is not None and not stopped and time.monotonic() > failed[1]:
+                _stop(children, codes, stopped, f"killed by the rank server after rank {failed[0]} failed")
             time.sleep(POLL_S)
             continue
         rank = children[pid]
         codes[rank] = _exit_code(status)
-        if codes[rank] != 0 and not stopped:
-            _stop(children, codes, stopped, f"killed by the rank server after rank {rank} failed")
+        if codes[rank] != 0 and failed is None:
+            failed = (rank, time.monotonic() + grace)
     output = []
     for rank in range(len(children)):
         with open(os.path.join(logs, f"rank{rank}.log"), errors="replace") as handle:
@@ -162,7 +167,7 @@ def main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         worker = workers[request["worker"]]
-        reply = launch(worker, request["args"], request["nproc"], request["logs"], request["timeout"])
+        reply = launch(worker, request["args"], request["nproc"], request["logs"], request["timeout"], request.get("grace", 0.0))
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 

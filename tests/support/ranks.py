@@ -72,11 +72,11 @@ def _rank_server() -> subprocess.Popen:
     return server
 
 
-def _forked(script: Path, args: Sequence[str], nproc: int, expect_failure: bool) -> str:
+def _forked(script: Path, args: Sequence[str], nproc: int, expect_failure: bool, grace: float = 0.0) -> str:
     server = _rank_server()
     logs = tempfile.mkdtemp(prefix="ranks-")
     try:
-        request = {"worker": script.stem, "args": list(args), "nproc": nproc, "logs": logs, "timeout": TIMEOUT_S}
+        request = {"worker": script.stem, "args": list(args), "nproc": nproc, "logs": logs, "timeout": TIMEOUT_S, "grace": grace}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         line = server.stdout.readline()
@@ -99,13 +99,15 @@ def single(script: Path, args: Sequence[str], env=None, expect_failure: bool = F
     return _run([sys.executable, str(script)] + [str(a) for a in args], env, expect_failure)
 
 
-def _launch(script: Path, args: Sequence, nproc: int, env, expect_failure: bool, by_torchrun: bool) -> str:
+def _launch(script: Path, args: Sequence, nproc: int, env, expect_failure: bool, by_torchrun: bool,
+            grace: float = 0.0) -> str:
     """``script`` on ``nproc`` ranks (``nproc=0``: one plain process): forks of the rank server unless
-    ``by_torchrun``, ``env`` or LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun."""
+    ``by_torchrun``, ``env`` or LIGHTNING_FSDP_RESUME_TEST_LAUNCHER=torchrun; ``grace``: the seconds the other ranks
+    of a forked launch have to end by themselves once one failed (``rank_server.launch``)."""
     forked = not (by_torchrun or env or os.environ.get(LAUNCHER_ENV) == "torchrun")
     args = [str(a) for a in args]
     if forked:
-        return _forked(script, args, nproc, expect_failure)
+        return _forked(script, args, nproc, expect_failure, grace)
     if nproc == 0:
         return single(script, args, env, expect_failure)
     return torchrun(script, args, nproc, env, expect_failure)
@@ -123,11 +125,12 @@ def fabric_worker(tmp: Path, *args, nproc: int = 2, env=None, expect_failure: bo
     return _launch(FABRIC_WORKER, args, nproc, env, expect_failure, by_torchrun)
 
 
-def mid_epoch_worker(*args, nproc: int = 2, expect_failure: bool = False) -> str:
-    """The mid-epoch rank program on ``nproc`` ranks (``nproc=0``: one plain process without FSDP)."""
+def mid_epoch_worker(*args, nproc: int = 2, expect_failure: bool = False, grace: float = 0.0) -> str:
+    """The mid-epoch rank program on ``nproc`` ranks (``nproc=0``: one plain process without FSDP); ``grace`` as
+    ``_launch``'s."""
     if nproc == 0:
         args = ("--strategy", "single", *args)
-    return _launch(MID_EPOCH_WORKER, args, nproc, None, expect_failure, by_torchrun=False)
+    return _launch(MID_EPOCH_WORKER, args, nproc, None, expect_failure, by_torchrun=False, grace=grace)
 
 
 def ema_worker(*args, nproc: int = 2, expect_failure: bool = False) -> str:
