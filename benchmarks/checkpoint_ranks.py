@@ -119,7 +119,7 @@ def copy_seconds(model: nn.Module, optimizers) -> float:
     """How long copying this rank's state into host memory already touched takes, memory to memory, with nothing
     else: each storage a save in the background copies into its kept buffers (the package's own list of what
     training changes: flat shards, buffers, optimizer states), once. The least of 3 copies."""
-    from lightning_fsdp_resume import _background, _saving
+    from lightning_fsdp_resume._save_load import _background, _saving
 
     storages = _background.Live(_saving.training_tensors(model, optimizers)).storages.values()
     sources = [torch.empty(0, dtype=torch.uint8).set_(storage) for storage in storages]
@@ -137,7 +137,7 @@ def host_buffers_ahead(strategy):
     """How long this rank waited for the thread making the host buffers for its saves in the background (made after
     the first optimizer step; a run's first save after many steps finds them made), and their bytes: memory such a
     save holds that its phase's growth no longer shows. (0, 0) for a synchronous run."""
-    from lightning_fsdp_resume._held import StrategyHeld, peek
+    from lightning_fsdp_resume._patching._held import StrategyHeld, peek
 
     kept = peek(strategy, StrategyHeld)
     staging = None if kept is None else kept.staging
@@ -178,7 +178,7 @@ def data(width: int, outputs: int) -> torch.utils.data.DataLoader:
 def without_checksums() -> None:
     """The shim as it would be without checksums: saves hash nothing and write no manifest, reads check nothing (the
     benchmark's baseline for their cost; the package itself has no such switch)."""
-    from lightning_fsdp_resume import _checksums, _zip_checks
+    from lightning_fsdp_resume._checkpoint import _checksums, _zip_checks
     from lightning_fsdp_resume._storage import _checked
 
     _checked._summing = lambda storage, location: storage

@@ -23,7 +23,7 @@ def measure(size: int, at: float, ranks: int, way: str) -> dict:
     """One placement in this process: seconds and peak resident growth (MB)."""
     import torch
 
-    from lightning_fsdp_resume import _data_cursor
+    from lightning_fsdp_resume._run_state import _data_cursor
 
     sampler = torch.utils.data.DistributedSampler(range(size), num_replicas=SAVED_ON, rank=0, shuffle=True, seed=7)
     loader = torch.utils.data.DataLoader(range(size), batch_size=BATCH, sampler=sampler)

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from lightning_fsdp_resume import _data_position
+from lightning_fsdp_resume._run_state import _data_position
 from resume_benchmark import cells_table
 
 TARGET = 0.01  # index-level skipping / loading the skipped batches

@@ -40,7 +40,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from lightning_fsdp_resume import _ema
+    from lightning_fsdp_resume._participants import _ema
     from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
     from peak_rss import rss_bytes
 

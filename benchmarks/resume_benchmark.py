@@ -196,7 +196,7 @@ def verify_cold(python: str, checkpoint: Path) -> Dict[str, float]:
         with open(path, "rb") as handle:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    program = ("import json, sys; from lightning_fsdp_resume._verify_command import verify;"
+    program = ("import json, sys; from lightning_fsdp_resume._commands._verify_command import verify;"
                " print(json.dumps(verify(sys.argv[1], progress=False)._asdict()))")
     result = subprocess.run([python, "-c", program, str(checkpoint)], capture_output=True, text=True, env=_env(), check=False)
     if result.returncode != 0:

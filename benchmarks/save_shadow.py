@@ -71,8 +71,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import lightning_fsdp_resume as shim
     from checkpoint_ranks import Block, L, Model, full_state_bytes, host_buffers_ahead
-    from lightning_fsdp_resume import _background
-    from lightning_fsdp_resume._held import ModuleHeld, StrategyHeld, drop, peek
+    from lightning_fsdp_resume._patching._held import ModuleHeld, StrategyHeld, drop, peek
+    from lightning_fsdp_resume._save_load import _background
     from lightning_fsdp_resume.testing import enable_cpu_fsdp, leave_process_group
 
     enable_cpu_fsdp()

@@ -7,9 +7,9 @@ import os
 import sys
 from typing import Dict, NamedTuple, Optional, Set, Tuple
 
-from ._patcher import NotOutermostError, Patcher
-from ._patches import PatchTable, tables_for
-from ._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
+from ._patching._patcher import NotOutermostError, Patcher
+from ._patching._patches import PatchTable, tables_for
+from ._patching._versions import FLAVOURS, NATIVE, PATCH, Flavour, decide, installed_version
 
 __all__ = ["patch", "unpatch", "status", "wait_for_saves", "set_mid_epoch_resume", "FlavourStatus", "DISABLE_ENV", "RankStates", "BackgroundSaveError",
            "add_safe_globals", "UnsafeCheckpointError", "ShardedEMA", "consolidate"]
@@ -122,7 +122,7 @@ def wait_for_saves(obj) -> None:
     does; a Fabric script calls this where it needs the checkpoint in place: before it ends, or before it
     destroys the process group. Every rank raises the same failure.
     """
-    from ._background import wait
+    from ._save_load._background import wait
 
     wait(getattr(obj, "strategy", obj))
 
@@ -140,7 +140,7 @@ def set_mid_epoch_resume(mode: str = "skip", *, other_rank_counts: str = "exact"
     with exactly the samples not yet trained in the epoch; any other train data is refused there, unless
     ``other_rank_counts="approximate"``: each rank then leaves out as many batches as it would have trained first.
     """
-    from ._data_position import set_mode
+    from ._run_state._data_position import set_mode
 
     set_mode(mode, other_rank_counts)
 
@@ -152,11 +152,11 @@ def __getattr__(name: str):
     on the shards: imports Lightning), ``consolidate`` (a sharded checkpoint into one full file), imported on first
     use."""
     if name in ("UnsafeCheckpointError", "add_safe_globals"):
-        from . import _unpickling
+        from ._checkpoint import _unpickling
 
         return getattr(_unpickling, name)
     if name == "BackgroundSaveError":
-        from ._background import BackgroundSaveError
+        from ._save_load._background import BackgroundSaveError
 
         return BackgroundSaveError
     if name == "ShardedEMA":
@@ -164,11 +164,11 @@ def __getattr__(name: str):
 
         return ShardedEMA
     if name == "consolidate":
-        from ._consolidate import consolidate
+        from ._commands._consolidate import consolidate
 
         return consolidate
     if name == "RankStates":
-        from ._rank_states import RankStates
+        from ._run_state._rank_states import RankStates
 
         return RankStates
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

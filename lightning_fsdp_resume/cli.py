@@ -34,7 +34,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     commands.add_parser("status", help="installed Lightning, torch and wrapt, and what the shim did with each flavour")
 
-    from ._consolidate import DTYPES, FORMATS, TORCH  # plain names: importing it loads no torch
+    from ._commands._consolidate import DTYPES, FORMATS, TORCH  # plain names: importing it loads no torch
 
     consolidate = commands.add_parser(
         "consolidate",
@@ -116,9 +116,9 @@ FLAGS = {"ema": "--ema", "weights_only": "--weights-only", "overwrite": "--overw
 
 def run_consolidate(args: argparse.Namespace) -> int:
     """Exit status 0 when DST was written, 1 when the conversion was refused (the reason on stderr, options as flags)."""
-    from ._consolidate import SAFETENSORS, consolidate
-    from ._format import TRAINER
-    from ._whole_read import spoken
+    from ._checkpoint._format import TRAINER
+    from ._checkpoint._whole_read import spoken
+    from ._commands._consolidate import SAFETENSORS, consolidate
 
     weights_only = args.weights_only or args.format == SAFETENSORS or args.ema
     try:
@@ -147,7 +147,7 @@ def run_consolidate(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     """Exit status 0 when every byte checked out, 1 when something is damaged or missing, 2 when there is nothing to
     check against."""
-    from ._verify_command import UncheckableError, verify
+    from ._commands._verify_command import UncheckableError, verify
 
     try:
         verified = verify(args.path, progress=not args.quiet)
@@ -169,7 +169,7 @@ def print_status() -> int:
 
     import lightning_fsdp_resume as shim
 
-    from ._versions import import_installed_flavours
+    from ._patching._versions import import_installed_flavours
 
     import_installed_flavours()  # applies the patch, so the report says what a training script would get
     for dist in ("torch", "wrapt"):

@@ -11,8 +11,9 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from . import DISABLE_ENV, _unpickling
-from ._versions import FABRIC, FLAVOURS, TRAINER, installed_version
+from . import DISABLE_ENV
+from ._checkpoint import _unpickling
+from ._patching._versions import FABRIC, FLAVOURS, TRAINER, installed_version
 
 PROGRESS = "demo: "
 SHIM = "lightning_fsdp_resume"  # the shim's column

@@ -6,8 +6,11 @@ import importlib
 import logging
 from typing import Any, Optional, Tuple
 
-from . import _background, _ema, _participants, _strategy
-from ._versions import FLAVOURS, TRAINER, installed_version
+from . import _participants
+from ._lightning import _strategy
+from ._participants import _ema
+from ._patching._versions import FLAVOURS, TRAINER, installed_version
+from ._save_load import _background
 
 
 def _callback_bases() -> Tuple[type, ...]:

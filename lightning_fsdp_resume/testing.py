@@ -5,8 +5,8 @@ never applies it. How to launch, and limits: "Testing FSDP checkpointing on the 
 import importlib
 from typing import Any, Callable, Iterator, Tuple
 
-from ._patcher import Patcher, Wrap
-from ._versions import FABRIC, FLAVOURS
+from ._patching._patcher import Patcher, Wrap
+from ._patching._versions import FABRIC, FLAVOURS
 
 _patcher = Patcher()
 # Where each connector refuses FSDP without a GPU, and the words of its refusal. Trainer 2.0.x: "... but GPU
@@ -19,7 +19,7 @@ _SETTLE_S = 0.05  # leave_process_group's pause before destroying the group: 10 
 
 def cpu_fsdp_supported() -> Tuple[bool, str]:
     """Whether this torch can run multi-rank FSDP on the CPU, and if not, why."""
-    from . import _torch_compat as compat
+    from ._patching import _torch_compat as compat
 
     if not compat.cpu_fsdp_supported():
         return False, f"torch {compat.release_text()} cannot run FSDP on CPU: gloo lacks _allgather_base before torch 2.2"
@@ -28,7 +28,7 @@ def cpu_fsdp_supported() -> Tuple[bool, str]:
 
 def cpu_optimizer_state_supported(use_orig_params: bool) -> Tuple[bool, str]:
     """Whether this torch can produce an optimizer state dict (full or sharded) of CPU FSDP ranks; if not, why."""
-    from . import _torch_compat as compat
+    from ._patching import _torch_compat as compat
 
     if use_orig_params and not compat.cpu_orig_params_optimizer_state_supported():
         return False, (

@@ -127,7 +127,7 @@ def pytest_terminal_summary(terminalreporter):
     from importlib import metadata
 
     import lightning_fsdp_resume as shim
-    from lightning_fsdp_resume._versions import import_installed_flavours
+    from lightning_fsdp_resume._patching._versions import import_installed_flavours
 
     import_installed_flavours()  # so that status() reports what a training script would get
     installed = {}

@@ -13,8 +13,8 @@ import types
 import pytest
 
 import lightning_fsdp_resume as shim
-from lightning_fsdp_resume import _versions
-from lightning_fsdp_resume._patches import FSDP_STRATEGY_PATCHES, TABLES, tables_for
+from lightning_fsdp_resume._patching import _versions
+from lightning_fsdp_resume._patching._patches import FSDP_STRATEGY_PATCHES, TABLES, tables_for
 from support.flavours import FLAVOURS, INSTALLED, NATIVE_MODE, PATCHABLE, PATCHABLE_TRAINERS, mode_of, strategy_class
 
 NATIVE = [p for p, v in INSTALLED.items() if mode_of(v) == NATIVE_MODE]
@@ -120,7 +120,8 @@ def test_import_registers_the_tables_without_loading_what_they_put(probe):
     """The tables and what they declare (``_held``'s dataclasses) load; the methods they put, not before a flavour is
     patched."""
     loaded = ast.literal_eval(probe("bare").splitlines()[1])
-    assert set(loaded) <= {f"lightning_fsdp_resume.{name}" for name in ("_patcher", "_patches", "_versions", "_held")}
+    patching = ("_patching", "_patching._patcher", "_patching._patches", "_patching._versions", "_patching._held")
+    assert set(loaded) <= {f"lightning_fsdp_resume.{name}" for name in patching}
 
 
 def test_each_kind_of_flavour_has_one_table_per_patched_class_or_module():
@@ -272,7 +273,7 @@ class TestPatching:
             strategy.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
 
     def test_sharded_needs_torch_2(self, monkeypatch):
-        from lightning_fsdp_resume import _torch_compat
+        from lightning_fsdp_resume._patching import _torch_compat
 
         monkeypatch.setattr(_torch_compat, "torch_release", lambda: (1, 13, 1))
         with pytest.raises(NotImplementedError, match=r"is not supported in PyTorch < 2\.0\. Please upgrade `torch`\."):

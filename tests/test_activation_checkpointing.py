@@ -24,7 +24,7 @@ import functools
 
 import pytest
 
-from lightning_fsdp_resume import _loading
+from lightning_fsdp_resume._save_load import _loading
 from lightning_fsdp_resume._storage import checked, open_path
 from support.marks import needs_cpu_fsdp, skip_without_optimizer_state
 from support.ranks import EPOCHS, FULL_USE_ORIG_PARAMS, MID, config, worker

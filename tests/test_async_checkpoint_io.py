@@ -19,7 +19,7 @@ pytestmark = [needs_cpu_fsdp, needs_patched_trainer]
 def test_saves_with_async_checkpoint_io_are_complete_when_published(tmp_path, process_group, kind):
     import torch
 
-    from lightning_fsdp_resume._lightning_reads import read_whole
+    from lightning_fsdp_resume._lightning._lightning_reads import read_whole
     from lightning_fsdp_resume._storage import open_path
     from lightning_fsdp_resume.testing import enable_cpu_fsdp
     from support.states import full_weights
@@ -45,7 +45,7 @@ def test_saves_with_async_checkpoint_io_are_complete_when_published(tmp_path, pr
         callbacks=[callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=1, monitor="step", mode="max"),
                    Snapshot()],
     )
-    from lightning_fsdp_resume import _torch_compat as compat
+    from lightning_fsdp_resume._patching import _torch_compat as compat
 
     foreground = pytest.warns(UserWarning, match="FSDP checkpoints are saved in the foreground: saving them in the background")
     with contextlib.nullcontext() if compat.saves_in_background() else foreground:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fsdp_resume._verify_command import verify
+from lightning_fsdp_resume._commands._verify_command import verify
 from support.crash_chain import run_chain
 from support.flavours import NATIVE, VERSION
 from support.marks import TORCH, needs_async_save, needs_cpu_fsdp, needs_patched_fabric
@@ -68,7 +68,7 @@ def test_a_save_in_the_background_is_written_at_the_lowest_cpu_priority_and_trai
     import threading
     import types
 
-    from lightning_fsdp_resume import _background
+    from lightning_fsdp_resume._save_load import _background
 
     def priority() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -175,7 +175,7 @@ def test_a_later_save_in_the_background_copies_into_the_host_tensors_of_the_last
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from lightning_fsdp_resume import _background, _saving
+    from lightning_fsdp_resume._save_load import _background, _saving
 
     torch.manual_seed(0)
     model = FSDP(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), device_id=torch.device("cpu"))
@@ -214,7 +214,7 @@ def test_the_first_save_in_the_background_finds_what_later_saves_reuse_built_ahe
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from lightning_fsdp_resume import _background, _saving, _shard_views
+    from lightning_fsdp_resume._save_load import _background, _saving, _shard_views
 
     def cannot() -> None:
         raise _shard_views.UnknownLayout("not one built here")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fsdp_resume import _preflight
-from lightning_fsdp_resume import _torch_compat as compat
+from lightning_fsdp_resume._checkpoint import _preflight
+from lightning_fsdp_resume._patching import _torch_compat as compat
 from lightning_fsdp_resume._storage import _local, open_path
 from support.checkpoints import saved_epoch, trainer_checkpoint
 from support.damage import without_checksums

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from lightning_fsdp_resume._checksums import DamagedCheckpointError
+from lightning_fsdp_resume._checkpoint._checksums import DamagedCheckpointError
 from support.damage import flipped, index_end, largest_item, manifest, records, sharded_positions, without_checksums, zip_positions
 from support.flavours import NATIVE
 from support.marks import TORCH, needs_cpu_fsdp
@@ -186,7 +186,7 @@ def test_the_trainer_refuses_a_damaged_shard_on_every_rank_before_it_trains(refe
 def test_the_crc32_is_zips_own_and_the_fast_one_where_it_is_installed():
     """Full files are checked with zlib-ng's CRC-32 where its bindings are installed (the package's dependency where
     they have wheels), else with the standard library's: the same values, pieces chained and views alike."""
-    from lightning_fsdp_resume._checksums import crc32_function
+    from lightning_fsdp_resume._checkpoint._checksums import crc32_function
 
     crc32, implementation = crc32_function()
     assert implementation == ("zlib-ng" if importlib.util.find_spec("zlib_ng") else "zlib")
@@ -201,7 +201,7 @@ def test_the_crc32_is_zips_own_and_the_fast_one_where_it_is_installed():
 def test_shares_of_a_full_file_check_each_record_exactly_once(checkpoints, tmp_path):
     """The ranks of a node split a full file's CRC-32s (``check_zip``'s share k of n): a flipped bit in any record is
     found by exactly one share, for every n, and by none once it is undone."""
-    from lightning_fsdp_resume._zip_checks import check_zip
+    from lightning_fsdp_resume._checkpoint._zip_checks import check_zip
 
     full = Path(shutil.copyfile(checkpoints["full"], tmp_path / "full.ckpt"))
 
@@ -261,8 +261,9 @@ def _large_state_saved(directory: Path, monkeypatch, whole_items: bool) -> dict:
     ``whole_items``: each item hashed whole, as torch < 2.4's saves hash them (read back once written)."""
     import torch
 
-    from lightning_fsdp_resume import _checksums, _storage
-    from lightning_fsdp_resume import _torch_compat as compat
+    from lightning_fsdp_resume import _storage
+    from lightning_fsdp_resume._checkpoint import _checksums
+    from lightning_fsdp_resume._patching import _torch_compat as compat
 
     state = {"big": torch.randn(int(2.5 * _checksums.SPAN) // 4, generator=torch.Generator().manual_seed(0)),
              "small": torch.arange(10)}
@@ -280,8 +281,9 @@ def _loaded_mapping(directory: Path, state: dict, monkeypatch) -> "tuple[dict, l
     """``state``'s keys loaded from ``directory`` through the checked reader, and the lengths of file it memory-mapped."""
     import torch
 
-    from lightning_fsdp_resume import _checksums, _storage
-    from lightning_fsdp_resume import _torch_compat as compat
+    from lightning_fsdp_resume import _storage
+    from lightning_fsdp_resume._checkpoint import _checksums
+    from lightning_fsdp_resume._patching import _torch_compat as compat
 
     mapped: list = []
     original = _checksums.mapped
@@ -300,7 +302,7 @@ def test_a_large_tensor_is_hashed_in_spans_and_checked_in_the_readers_own_buffer
     refused naming the entry and its bytes."""
     import torch
 
-    from lightning_fsdp_resume import _checksums
+    from lightning_fsdp_resume._checkpoint import _checksums
 
     directory = tmp_path / "ckpt"
     state = _large_state_saved(directory, monkeypatch, whole_items=False)
@@ -323,7 +325,7 @@ def test_a_checkpoint_hashed_item_by_item_loads_one_mapped_item_at_a_time(tmp_pa
     of it alone, and served from there; a flipped bit in it is refused naming the item."""
     import torch
 
-    from lightning_fsdp_resume import _checksums
+    from lightning_fsdp_resume._checkpoint import _checksums
 
     directory = tmp_path / "ckpt"
     state = _large_state_saved(directory, monkeypatch, whole_items=True)

@@ -18,9 +18,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from lightning_fsdp_resume import _consolidate, _whole_read
-from lightning_fsdp_resume import _torch_compat as compat
-from lightning_fsdp_resume._consolidate import consolidate
+from lightning_fsdp_resume._checkpoint import _whole_read
+from lightning_fsdp_resume._commands import _consolidate
+from lightning_fsdp_resume._commands._consolidate import consolidate
+from lightning_fsdp_resume._patching import _torch_compat as compat
 from lightning_fsdp_resume._storage import checked, open_path
 from lightning_fsdp_resume.testing import disable_cpu_fsdp, enable_cpu_fsdp
 from support.flavours import FABRIC_UNDER_TEST, NATIVE, PATCH, VERSION, mode_of
@@ -127,7 +128,7 @@ def test_progress_without_tqdm_prints_plain_lines(capsys, monkeypatch):
 def test_importing_it_imports_neither_torch_nor_lightning():
     import subprocess
 
-    code = "import sys, lightning_fsdp_resume._consolidate, lightning_fsdp_resume.cli;" \
+    code = "import sys, lightning_fsdp_resume._commands._consolidate, lightning_fsdp_resume.cli;" \
            " print(sorted({'torch', 'lightning', 'pytorch_lightning'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stderr

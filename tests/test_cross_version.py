@@ -35,7 +35,7 @@ if not os.environ.get(DIR_VARIABLE):
     )
 ROOT = Path(os.environ[DIR_VARIABLE])
 
-from lightning_fsdp_resume._versions import NATIVE, PATCH  # noqa: E402
+from lightning_fsdp_resume._patching._versions import NATIVE, PATCH  # noqa: E402
 
 EPOCHS = 4
 # Native Lightning 2.1.4 cannot save or load a full checkpoint's optimizer state with

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from lightning_fsdp_resume import _data_cursor
+from lightning_fsdp_resume._run_state import _data_cursor
 
 BATCH = 3
 

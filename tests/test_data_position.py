@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_fsdp_resume import _data_position
+from lightning_fsdp_resume._run_state import _data_position
 
 
 def _loader(workers: int = 0):

@@ -278,7 +278,7 @@ def test_under_mixed_precision_a_resume_ends_with_the_same_average_bit_for_bit(m
 def test_consolidate_ema_writes_the_average_in_place_of_the_weights(reference_runs, tmp_path):
     from safetensors.torch import load_file
 
-    from lightning_fsdp_resume._consolidate import consolidate
+    from lightning_fsdp_resume._commands._consolidate import consolidate
 
     root = reference_runs(0, "policy")
     seen = _load(root / "ema" / "out" / "seen_e1.pt")
@@ -293,7 +293,7 @@ def test_consolidate_ema_writes_the_average_in_place_of_the_weights(reference_ru
 
 
 def test_a_consolidated_file_carries_the_average_and_a_load_of_it_restores_it(reference_runs, tmp_path):
-    from lightning_fsdp_resume._consolidate import consolidate
+    from lightning_fsdp_resume._commands._consolidate import consolidate
 
     root = reference_runs(0, "root")
     consolidate(root / "ema" / "ckpt" / "epoch=1.ckpt", tmp_path / "ckpt" / "full.ckpt", progress=False)
@@ -319,7 +319,7 @@ def test_load_from_checkpoint_with_ema_loads_the_average_in_place_of_the_weights
 
 
 def test_consolidate_ema_of_a_checkpoint_without_an_average_is_refused(tmp_path):
-    from lightning_fsdp_resume._consolidate import consolidate
+    from lightning_fsdp_resume._commands._consolidate import consolidate
 
     plain = tmp_path / "plain"
     _run(plain, "--ema", 0, "--reference", 0, "--epochs", 1)

@@ -97,7 +97,8 @@ def test_a_value_it_does_not_admit_is_refused_by_default_and_read_when_trusted(t
     """The checks read ``meta.pt`` and a full file as the load does (``weights_only`` decides ``trusted``)."""
     from fractions import Fraction
 
-    from lightning_fsdp_resume import UnsafeCheckpointError, _reader
+    from lightning_fsdp_resume import UnsafeCheckpointError
+    from lightning_fsdp_resume._checkpoint import _reader
     from lightning_fsdp_resume._storage import open_path
 
     checkpoint = {"model": {"w": torch.ones(2)}, "ratio": Fraction(1, 3)}  # a value the restricted unpickler refuses
@@ -113,7 +114,7 @@ def test_a_value_it_does_not_admit_is_refused_by_default_and_read_when_trusted(t
 
 
 def test_not_strict_advice_names_fabrics_argument(tmp_path):
-    from lightning_fsdp_resume import _preflight
+    from lightning_fsdp_resume._checkpoint import _preflight
 
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: b\.\nPass `strict=False` to load the keys both have\.$"):
         _preflight.loadable_keys(tmp_path, {"a": (1,), "b": (2,)}, {"a": (1,)}, strict=True, leniency=_preflight.FABRIC_LENIENCY)
@@ -165,7 +166,7 @@ class TestStrategyRefusals:
 
 def _check(path, module_key, requested, strict):
     """Rank 0's check of ``fabric.load(path, state)`` for a state of ``module_key`` and the ``requested`` entries."""
-    from lightning_fsdp_resume import _fabric
+    from lightning_fsdp_resume._lightning import _fabric
     from lightning_fsdp_resume._storage import open_path
 
     state = {key: None for key in requested}  # plain values: none is an optimizer or a module

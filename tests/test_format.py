@@ -1,7 +1,7 @@
 """The on-disk format helpers: pure functions, no processes."""
 import pytest
 
-from lightning_fsdp_resume import _format
+from lightning_fsdp_resume._checkpoint import _format
 
 
 def test_only_checkpoint_directories_may_be_replaced(tmp_path):

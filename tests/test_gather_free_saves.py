@@ -8,9 +8,10 @@ import logging
 import pytest
 import torch
 
-from lightning_fsdp_resume import _saving, _whole_read
-from lightning_fsdp_resume import _torch_compat as compat
-from lightning_fsdp_resume._held import ModuleHeld, held
+from lightning_fsdp_resume._checkpoint import _whole_read
+from lightning_fsdp_resume._patching import _torch_compat as compat
+from lightning_fsdp_resume._patching._held import ModuleHeld, held
+from lightning_fsdp_resume._save_load import _saving
 from lightning_fsdp_resume._storage import checked, open_path
 from support.flavours import NATIVE
 from support.marks import needs_cpu_fsdp, skip_without_optimizer_state

@@ -164,7 +164,7 @@ def test_a_torch_without_fsspec_storage_refuses_sharded_urls_naming_the_release(
 
     import torch.distributed.checkpoint as dcp
 
-    from lightning_fsdp_resume import _torch_compat as compat
+    from lightning_fsdp_resume._patching import _torch_compat as compat
     from lightning_fsdp_resume._storage import checked
     from lightning_fsdp_resume._storage import open_path as location
 
@@ -188,7 +188,7 @@ def test_http_checkpoints_are_downloaded_where_torch_hub_keeps_them_and_read_res
     import torch
 
     from lightning_fsdp_resume import UnsafeCheckpointError
-    from lightning_fsdp_resume._lightning_reads import wrap_load
+    from lightning_fsdp_resume._lightning._lightning_reads import wrap_load
     from support.poison import Hidden
 
     served = tmp_path / "served"

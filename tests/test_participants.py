@@ -4,8 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fsdp_resume import _participants, _rank_states, _saving
-from lightning_fsdp_resume._held import ModuleHeld, drop, peek
+from lightning_fsdp_resume import _participants
+from lightning_fsdp_resume._patching._held import ModuleHeld, drop, peek
+from lightning_fsdp_resume._run_state import _rank_states
+from lightning_fsdp_resume._save_load import _saving
 
 
 class Counter(_participants.Participant):

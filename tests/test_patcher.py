@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 import lightning_fsdp_resume as shim
-from lightning_fsdp_resume._patcher import NotOutermostError, Patcher, Wrap
+from lightning_fsdp_resume._patching._patcher import NotOutermostError, Patcher, Wrap
 from support.flavours import PATCHABLE_FABRICS
 from support.marks import needs_patched_fabric
 

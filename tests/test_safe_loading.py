@@ -90,7 +90,7 @@ def test_a_type_the_user_admits_loads_by_default(tmp_path):
         if TORCH >= (2, 4):
             torch.serialization.clear_safe_globals()
         else:
-            from lightning_fsdp_resume import _unpickling
+            from lightning_fsdp_resume._checkpoint import _unpickling
 
             _unpickling._added.clear()
 
@@ -147,7 +147,8 @@ def test_the_trainer_resumes_a_checkpoint_it_is_told_to_trust(reference, tmp_pat
 def test_a_loads_check_and_the_load_itself_unpickle_each_pickled_entry_once(reference, monkeypatch):
     """Rank 0 checks every pickled entry of the shards before anything loads (``checkpoint_kind``); the load then reads
     the optimizer's param groups, entries of those, through the same location: from what the check unpickled."""
-    from lightning_fsdp_resume import _format, _loading, _preflight, _unpickling
+    from lightning_fsdp_resume._checkpoint import _format, _preflight, _unpickling
+    from lightning_fsdp_resume._save_load import _loading
 
     path = open_path(str(reference("sharded", 0) / "ckpt" / MID), "load", False)
     unpickled = collections.Counter()

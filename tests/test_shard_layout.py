@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lightning_fsdp_resume._shard_layout import boxes
+from lightning_fsdp_resume._save_load._shard_layout import boxes
 
 
 @pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 4, 5), (2, 1, 3, 4)])

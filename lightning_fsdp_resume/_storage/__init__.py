@@ -5,7 +5,7 @@ nothing outside asks which it has. Bytes go through ``checked``. More: docs/beha
 from pathlib import Path
 from typing import Any
 
-from .. import _format
+from .._checkpoint import _format
 from . import _checked as checked  # noqa: F401  (every checked read and write of the package: `_storage.checked`)
 from ._local import LocalLocation
 from ._location import Location

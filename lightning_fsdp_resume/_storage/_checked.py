@@ -8,10 +8,10 @@ import functools
 import io
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
-from .. import _checksums, _format, _unpickling, _zip_checks
-from .. import _torch_compat as compat
-from .._checksums import Range, Sums
-from .._ranks import agree
+from .._checkpoint import _checksums, _format, _unpickling, _zip_checks
+from .._checkpoint._checksums import Range, Sums
+from .._patching import _torch_compat as compat
+from .._save_load._ranks import agree
 from ._location import Location
 
 _ENTRIES_SPAN = 64 * 2**20  # the most bytes read at once for pickled entries, tensors between them included

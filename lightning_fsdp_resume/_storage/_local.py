@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .. import _format
+from .._checkpoint import _format
 from ._location import Entry, Location, not_replaceable
 
 _PARTIAL = ".fsdp-resume-partial-"

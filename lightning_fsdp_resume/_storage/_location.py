@@ -3,7 +3,7 @@ Its reads hand out bytes unchecked: everything else reads a checkpoint through `
 import contextlib
 from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, TypeVar
 
-from .. import _format
+from .._checkpoint import _format
 
 
 class Entry(NamedTuple):

@@ -8,9 +8,9 @@ import json
 import posixpath
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .. import _format
-from .. import _torch_compat as compat
-from .._ranks import describe
+from .._checkpoint import _format
+from .._patching import _torch_compat as compat
+from .._save_load._ranks import describe
 from ._location import Entry, Location, not_replaceable
 
 _DATA = ".fsdp-resume-data-"  # never contains "last": Lightning's ckpt_path="last" must not pick it

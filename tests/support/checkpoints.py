@@ -2,7 +2,7 @@
 for the tests that save and load through the patched strategy in one process."""
 from pathlib import Path
 
-from lightning_fsdp_resume import _reader
+from lightning_fsdp_resume._checkpoint import _reader
 from lightning_fsdp_resume._storage import checked, open_path
 
 

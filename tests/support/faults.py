@@ -32,7 +32,7 @@ def cut_network(control_port: int):
 def keep_gathered_copies() -> None:
     """Loads leave the gathered weights FSDP kept from an earlier forward in place (the shim frees them before it
     loads): what the check after every load must then refuse."""
-    from lightning_fsdp_resume import _shard_layout
+    from lightning_fsdp_resume._save_load import _shard_layout
 
     _shard_layout.drop_gathered_copies = lambda model: None
 
@@ -51,7 +51,7 @@ def kill_during_saves(strategy, point: str, rank: int, save: int, fault=sigkill)
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.filesystem as fs
 
-    from lightning_fsdp_resume._held import StrategyHeld, peek
+    from lightning_fsdp_resume._patching._held import StrategyHeld, peek
     from lightning_fsdp_resume._storage import _local, _objects
 
     saves = [0]
@@ -135,7 +135,7 @@ def trace_saves(strategy, log, delay: float, removals: bool = True) -> None:
     import torch.distributed
     import torch.distributed.checkpoint.filesystem as fs
 
-    from lightning_fsdp_resume import _background
+    from lightning_fsdp_resume._save_load import _background
     from lightning_fsdp_resume._storage import _local
 
     saving = threading.get_ident()  # the thread that calls the saves

@@ -134,6 +134,6 @@ def info(directory: Path, name: str, rank: int = 0) -> dict:
 def build_with_fsdp() -> None:
     """This process's sharded saves build their state dicts with FSDP's builder, which gathers, instead of from each
     rank's flat shards: the two must write checkpoints that read back the same."""
-    from lightning_fsdp_resume import _saving
+    from lightning_fsdp_resume._save_load import _saving
 
     _saving._built = lambda from_shards, args, fsdps: fsdps()

@@ -6,7 +6,7 @@ import inspect
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, Tuple
 
-from . import _checksums
+from .._checkpoint import _checksums
 
 # torch 2.4 deprecates FSDP.state_dict_type() in favour of torch.distributed.checkpoint.state_dict, but
 # its version fails on a rank that holds no shard of a parameter ("Only single local shard is

@@ -6,10 +6,12 @@ import functools
 import secrets
 from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Tuple
 
-from . import _background, _format, _participants, _shard_layout, _shard_views, _storage
-from . import _torch_compat as compat
+from .. import _participants, _storage
+from .._checkpoint import _format
+from .._patching import _torch_compat as compat
+from .._storage import Location, checked
+from . import _background, _shard_layout, _shard_views
 from ._ranks import barrier, decided_on_rank_zero, warn_rank_zero
-from ._storage import Location, checked
 
 
 def state_dict_type(strategy: Any) -> _format.StateDictType:

@@ -5,7 +5,7 @@ between forwards, freed before a load and checked after it. torch is imported in
 import math
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import _torch_compat as compat
+from .._patching import _torch_compat as compat
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # offsets and sizes in a parameter's full shape
 
@@ -68,7 +68,7 @@ def flat_shards(model: Any) -> Optional[List[FlatShard]]:
     """Every flat parameter of ``model`` with what this rank holds of it; None if FSDP's layout is not one
     this module knows (the answer is the same on every rank, so all of them take the same path). On one rank FSDP
     shards nothing (``NO_SHARD``): the flat parameter is that rank's one shard, with the same metadata."""
-    from ._format import clean_module_name
+    from .._checkpoint._format import clean_module_name
 
     found = []
     for unit_name, handle in _handles(model):
@@ -138,7 +138,7 @@ def parameter_shapes(model: Any) -> Optional[Dict[str, Tuple[int, ...]]]:
 def persistent_buffers(model: Any) -> Dict[str, Any]:
     """``model``'s buffers that its state dict holds (not those registered ``persistent=False``), by the names FSDP
     gives them in state dicts (``_format.clean_module_name``'s)."""
-    from ._format import clean_module_name
+    from .._checkpoint._format import clean_module_name
 
     return {
         clean_module_name(f"{module_name}.{name}" if module_name else name): buffer
@@ -160,7 +160,7 @@ def not_only_flat_parameters(model: Any, flats: List[FlatShard]) -> Optional[str
         return "a parameter is outside FSDP's flat parameters"
     for name, module in model.named_modules():
         if type(module).get_extra_state is not nn.Module.get_extra_state:
-            from ._format import clean_module_name
+            from .._checkpoint._format import clean_module_name
 
             return f"module {clean_module_name(name)!r} has extra state"
     return None
@@ -238,7 +238,7 @@ def units_off_their_shards(model: Any) -> List[str]:
     without wrapper segments; the root's is ``""``."""
     import torch
 
-    from ._format import clean_module_name
+    from .._checkpoint._format import clean_module_name
 
     stale = []
     for unit_name, handle in _handles(model):

@@ -5,9 +5,9 @@ raises naming its path and what to do. ``_preflight`` checks a whole checkpoint 
 """
 from typing import Any, Dict, Optional, Set
 
+from .._save_load._ranks import describe
+from .._storage import Location, checked
 from . import _checksums, _format
-from ._ranks import describe
-from ._storage import Location, checked
 from ._unpickling import UnsafeCheckpointError
 
 

@@ -9,7 +9,7 @@ import pickle
 import types
 from typing import Any, Dict, Iterable, List, Optional
 
-from . import _torch_compat as compat
+from .._patching import _torch_compat as compat
 
 # What a checkpoint of Lightning 2.0 to 2.6, of torch's optimizers and schedulers and of this package holds besides
 # what torch's own weights_only unpickler admits: plain containers and values, Lightning's hyper-parameter

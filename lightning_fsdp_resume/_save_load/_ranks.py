@@ -6,8 +6,8 @@ import pickle
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
-from . import _torch_compat as compat
-from . import _unpickling
+from .._checkpoint import _unpickling
+from .._patching import _torch_compat as compat
 
 
 def decided_on_rank_zero(strategy: Any, check: Callable[..., Any], *args: Any) -> Any:

@@ -6,9 +6,9 @@ import re
 import sys
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
 
+from .._patching import _torch_compat as compat
+from .._storage import Location, checked
 from . import _format, _reader
-from . import _torch_compat as compat
-from ._storage import Location, checked
 
 # ``consolidate``'s options as its refusals name them, marked in their text by ``option``: keyword arguments in Python
 # (here), the command line's flags in ``cli``, which says them with its own table (``spoken``); ``{!r}``: the value given

@@ -8,10 +8,12 @@ import functools
 import re
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from . import _background, _format, _preflight, _reader, _shard_layout, _storage
-from . import _torch_compat as compat
+from .. import _storage
+from .._checkpoint import _format, _preflight, _reader
+from .._patching import _torch_compat as compat
+from .._storage import Location, checked
+from . import _background, _shard_layout
 from ._ranks import broadcast, decided_on_rank_zero, raise_found_on_any_rank, warn_rank_zero
-from ._storage import Location, checked
 
 # The ``weights_only`` given to the Trainer call or ``load_from_checkpoint`` in progress (Lightning 2.6's keyword), for
 # the loads Lightning 2.0.x makes inside it without a parameter to pass it by. None: not given.

@@ -4,9 +4,9 @@ the load then finds them read; nothing here writes to the checkpoint.
 """
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
+from .._save_load._ranks import describe
+from .._storage import Location, checked
 from . import _checksums, _format, _reader, _zip_checks
-from ._ranks import describe
-from ._storage import Location, checked
 from ._unpickling import UnsafeCheckpointError
 
 SHARDED, FULL = _format.SHARDED, _format.FULL

@@ -5,10 +5,15 @@ Lightning import, no patching (``_patches`` does it); what Fabric's does alike i
 import functools
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from . import _background, _format, _lightning_reads, _loading, _participants, _preflight, _rank_states, _ranks, _saving, _signature, _storage
-from . import _torch_compat as compat
-from ._held import ModuleHeld, StrategyHeld, held, peek
-from ._storage import Location
+from .. import _participants, _storage
+from .._checkpoint import _format, _preflight
+from .._patching import _signature
+from .._patching import _torch_compat as compat
+from .._patching._held import ModuleHeld, StrategyHeld, held, peek
+from .._run_state import _rank_states
+from .._save_load import _background, _loading, _ranks, _saving
+from .._storage import Location
+from . import _lightning_reads
 
 OLD_TORCH_ERROR = (
     "Saving checkpoints with `FSDPStrategy(state_dict_type='sharded')` is not supported in PyTorch < 2.0."

@@ -7,9 +7,12 @@ import contextvars
 import functools
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from . import _format, _loading, _preflight, _signature, _storage, _whole_read
-from ._patcher import Patcher, Wrap
-from ._storage import Location, checked
+from .. import _storage
+from .._checkpoint import _format, _preflight, _whole_read
+from .._patching import _signature
+from .._patching._patcher import Patcher, Wrap
+from .._save_load import _loading
+from .._storage import Location, checked
 
 # ``load_from_checkpoint(..., ema=True)`` in progress: its read gives the average of the weights (``ShardedEMA``'s) as
 # the weights

@@ -7,8 +7,8 @@ import logging
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
+from .._patching._held import SETTINGS
 from . import _rank_states
-from ._held import SETTINGS
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import copy
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
-from . import _torch_compat as compat
-from ._held import StrategyHeld, held, peek
+from .._patching import _torch_compat as compat
+from .._patching._held import StrategyHeld, held, peek
 from ._ranks import describe, failures
 
 

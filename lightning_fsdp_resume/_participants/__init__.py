@@ -6,7 +6,7 @@ attached. Adding one is a module that subclasses ``Participant`` and calls ``att
 """
 from typing import Any, Dict, Iterator, List
 
-from ._held import ModuleHeld, held, peek
+from .._patching._held import ModuleHeld, held, peek
 
 
 class Participant:

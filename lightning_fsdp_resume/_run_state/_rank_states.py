@@ -8,9 +8,10 @@ import random
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import _format, _participants, _unpickling
-from . import _torch_compat as compat
-from ._ranks import agree
+from .. import _participants
+from .._checkpoint import _format, _unpickling
+from .._patching import _torch_compat as compat
+from .._save_load._ranks import agree
 
 KEY = "rank_states"  # the checkpoint entry (the Trainer's; Fabric: wherever the user puts a RankStates)
 # each rank's holds the rank's buffers by their clean names (``_buffers``) under BUFFERS, and each participant's

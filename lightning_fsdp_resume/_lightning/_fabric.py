@@ -7,9 +7,13 @@ import importlib
 import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Set, Tuple
 
-from . import _format, _lightning_reads, _loading, _preflight, _reader, _saving, _signature, _storage
-from . import _torch_compat as compat
-from ._storage import Location
+from .. import _storage
+from .._checkpoint import _format, _preflight, _reader
+from .._patching import _signature
+from .._patching import _torch_compat as compat
+from .._save_load import _loading, _saving
+from .._storage import Location
+from . import _lightning_reads
 
 # Native Fabric 2.1 refuses FSDP checkpoints on torch < 2.0 at save and load, not in __init__.
 OLD_TORCH_ERROR = "Saving and loading checkpoints with the `FSDPStrategy` is not supported in PyTorch < 2.0. Please upgrade `torch`."

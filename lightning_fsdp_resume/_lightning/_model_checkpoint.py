@@ -5,7 +5,7 @@ path: with ``dirpath="s3://..."``, ``fit(ckpt_path="last")`` found nothing, warn
 import functools
 from typing import Any, Callable, Set
 
-from . import _storage
+from .. import _storage
 
 
 def wrap_find_last_checkpoints(original: Callable) -> Callable:

@@ -7,8 +7,9 @@ import logging
 import warnings
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from . import _data_cursor, _data_position, _rank_states, _ranks
-from ._held import LoopHeld, held
+from .._patching._held import LoopHeld, held
+from .._save_load import _ranks
+from . import _data_cursor, _data_position, _rank_states
 
 log = logging.getLogger(__name__)
 ENTRY = "data_position"  # the checkpoint's entry: every rank's position and the run's data cursor
@@ -76,7 +77,7 @@ def _validation_finished(val_loop: Any) -> bool:
 
 
 def _every_rank_saves(trainer: Any) -> bool:
-    from . import _strategy
+    from .._lightning import _strategy
 
     return getattr(type(trainer.strategy), "save_checkpoint", None) is _strategy.save_checkpoint
 

@@ -67,7 +67,7 @@ def tables_for(kind: str) -> Tuple[PatchTable, ...]:
 
 @patches(TRAINER, "strategies.fsdp", "FSDPStrategy", held=StrategyHeld)
 def FSDP_STRATEGY_PATCHES() -> Rows:
-    from . import _strategy
+    from .._lightning import _strategy
 
     return {
         # accepts state_dict_type="full" (default) | "sharded" instead of handing it to FSDP
@@ -100,7 +100,7 @@ def FSDP_STRATEGY_PATCHES() -> Rows:
 
 @patches(FABRIC, "strategies.fsdp", "FSDPStrategy", held=StrategyHeld)
 def FABRIC_FSDP_STRATEGY_PATCHES() -> Rows:
-    from . import _fabric
+    from .._lightning import _fabric
 
     return {
         # accepts state_dict_type="sharded" (default) | "full" instead of handing it to FSDP
@@ -117,7 +117,7 @@ def FABRIC_FSDP_STRATEGY_PATCHES() -> Rows:
 
 @patches(FABRIC, "fabric", "Fabric")
 def FABRIC_PATCHES() -> Rows:
-    from . import _fabric
+    from .._lightning import _fabric
 
     return {
         # the new arguments (filter=, strict=) reach a strategy that takes them; wrappers are taken off first
@@ -132,21 +132,21 @@ def FABRIC_PATCHES() -> Rows:
 # single-device or DDP ckpt_path, Fabric without FSDP): where it is defined and where modules bind it by name.
 @patches(FABRIC, "utilities.cloud_io")
 def CHECKPOINT_READER_PATCHES() -> Rows:
-    from . import _lightning_reads
+    from .._lightning import _lightning_reads
 
     return {"_load": Wrap(_lightning_reads.wrap_load)}
 
 
 @patches(FABRIC, "plugins.io.torch_io")
 def CHECKPOINT_READER_ALIAS_PATCHES() -> Rows:
-    from . import _lightning_reads
+    from .._lightning import _lightning_reads
 
     return {"pl_load": Wrap(_lightning_reads.wrap_load)}
 
 
 @patches(TRAINER, "core.saving")
 def LOAD_FROM_CHECKPOINT_PATCHES() -> Rows:
-    from . import _lightning_reads
+    from .._lightning import _lightning_reads
 
     return {
         **CHECKPOINT_READER_ALIAS_PATCHES.rows,
@@ -158,14 +158,14 @@ def LOAD_FROM_CHECKPOINT_PATCHES() -> Rows:
 # Lightning 2.6's weights_only on each call that may load a checkpoint: the loads inside it take it.
 @patches(TRAINER, "trainer.trainer", "Trainer")
 def TRAINER_PATCHES() -> Rows:
-    from . import _strategy
+    from .._lightning import _strategy
 
     return {name: Wrap(_strategy.wrap_entry) for name in ("fit", "validate", "test", "predict")}
 
 
 @patches(TRAINER, "core.module", "LightningModule", held=ModuleHeld)
 def MODULE_PATCHES() -> Rows:
-    from . import _strategy
+    from .._lightning import _strategy
 
     return {"load_from_checkpoint": Wrap(_strategy.wrap_load_from_checkpoint)}
 
@@ -177,7 +177,7 @@ def DATAMODULE_PATCHES() -> Rows:
 
 @patches(TRAINER, "callbacks.model_checkpoint", "ModelCheckpoint")
 def MODEL_CHECKPOINT_PATCHES() -> Rows:
-    from . import _model_checkpoint
+    from .._lightning import _model_checkpoint
 
     # ckpt_path="last" finds the last checkpoint of a dirpath at a URL
     return {"_find_last_checkpoints": Wrap(_model_checkpoint.wrap_find_last_checkpoints)}
@@ -186,7 +186,7 @@ def MODEL_CHECKPOINT_PATCHES() -> Rows:
 # A resume inside an epoch goes on from the batch after the checkpoint's, with any strategy (the loop is shared)
 @patches(TRAINER, "loops.training_epoch_loop", "_TrainingEpochLoop", held=LoopHeld)
 def EPOCH_LOOP_PATCHES() -> Rows:
-    from . import _epoch_loop
+    from .._run_state import _epoch_loop
 
     return {
         # the batch the checkpoint was taken after is done: not trained again, its end (validation) run
@@ -207,7 +207,7 @@ def EPOCH_LOOP_PATCHES() -> Rows:
 # loop state stays as Lightning writes it
 @patches(TRAINER, "trainer.connectors.checkpoint_connector", "_CheckpointConnector")
 def CHECKPOINT_CONNECTOR_PATCHES() -> Rows:
-    from . import _epoch_loop
+    from .._run_state import _epoch_loop
 
     return {
         "dump_checkpoint": Wrap(_epoch_loop.wrap_dump_checkpoint),

@@ -5,8 +5,8 @@ gathering and no copy: each rank's rectangles of a parameter are views of its fl
 import copy
 from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
 
+from .._patching._held import ModuleHeld, held
 from . import _shard_layout
-from ._held import ModuleHeld, held
 from ._ranks import everyone
 from ._shard_layout import FlatShard, Piece
 
@@ -72,7 +72,7 @@ def agreed(build: Any, *args: Any) -> Dict[str, Any]:
 def model_state(model: Any) -> Dict[str, Any]:
     """The sharded model state dict FSDP would build for ``model`` (names without FSDP's segments), each
     parameter a ``ShardedTensor`` of views of this rank's flat shards, each persistent buffer as it is."""
-    from ._format import clean_module_name
+    from .._checkpoint._format import clean_module_name
 
     flats = known(model)
     reason = _shard_layout.not_only_flat_parameters(model, flats)

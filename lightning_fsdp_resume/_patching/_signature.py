@@ -6,8 +6,8 @@ import functools
 import inspect
 from typing import Any, Callable, Optional
 
+from .._checkpoint._format import StateDictType
 from . import _torch_compat as compat
-from ._format import StateDictType
 
 
 def wrap_init(original_init: Callable, default: StateDictType, old_torch_error: Optional[str], async_save: bool = False) -> Callable:

@@ -5,9 +5,10 @@ nothing is written.
 import time
 from typing import NamedTuple
 
-from . import _format, _storage, _whole_read
-from ._preflight import MissingCheckpointError, listed_size, not_a_checkpoint
-from ._storage import checked
+from .. import _storage
+from .._checkpoint import _format, _whole_read
+from .._checkpoint._preflight import MissingCheckpointError, listed_size, not_a_checkpoint
+from .._storage import checked
 
 
 class Verified(NamedTuple):

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Literal, Sequence
 
-from ._versions import FABRIC, TRAINER
+from .._patching._versions import FABRIC, TRAINER
 
 # A checkpoint's kind, and a strategy's ``state_dict_type``: a directory of shards, or one file.
 StateDictType = Literal["full", "sharded"]

@@ -6,9 +6,10 @@ import math
 import sys
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
-from . import _format, _preflight, _reader, _safetensors, _storage, _whole_read
-from ._storage import Location, checked
-from ._whole_read import option, refusal
+from .. import _storage
+from .._checkpoint import _format, _preflight, _reader, _safetensors, _whole_read
+from .._checkpoint._whole_read import option, refusal
+from .._storage import Location, checked
 
 # Output formats: torch's checkpoint file (what a full save writes), or a safetensors file of the weights.
 TORCH, SAFETENSORS = "torch", "safetensors"

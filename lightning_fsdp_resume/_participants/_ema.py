@@ -6,8 +6,10 @@ keeps to itself, as the buffers are. ``ShardedEMA`` (``ema``) keeps one, attache
 """
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from . import _format, _participants, _shard_layout, _shard_views
-from ._shard_layout import FlatShard
+from .. import _participants
+from .._checkpoint import _format
+from .._save_load import _shard_layout, _shard_views
+from .._save_load._shard_layout import FlatShard
 
 
 class Average(_participants.Participant):
