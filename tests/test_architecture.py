@@ -192,10 +192,13 @@ def test_the_release_rule_sees_what_it_forbids(tmp_path):
 
 def _stashes(path: Path):
     """Each place the module at ``path`` writes into an object's ``vars()`` (an item set, ``setdefault``, ``pop``,
-    ``update``, ``clear``) or rebinds a module global (``global``): state no declaration shows."""
+    ``update``, ``clear``), rebinds a module global (``global``) or makes a context variable: state no declaration
+    shows."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Global):
             yield f"global {', '.join(node.names)}"
+        if isinstance(node, ast.Call) and _names_in(node.func) & {"ContextVar"}:
+            yield "a context variable"
         written = [t.value for t in getattr(node, "targets", []) if isinstance(t, ast.Subscript)]
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
                 "setdefault", "pop", "update", "clear", "__setitem__"):
@@ -207,21 +210,22 @@ def _stashes(path: Path):
 def test_what_the_package_keeps_on_objects_it_does_not_own_is_declared_in_held():
     """Only ``_held`` writes into an object's ``vars()``: a strategy, the epoch loop and a module each carry one
     dataclass of it, which a patch table declares; the process's settings are ``_held.SETTINGS``, not module globals
-    (``__init__`` keeps whether patching is on)."""
+    (``__init__`` keeps whether patching is on), and what the user's call asked is ``_held.Asked``, not a context
+    variable of each reader's own."""
     found = [f"{name}: {stash}" for name, path in modules().items() if name not in ("_patching._held", "__init__")
              for stash in _stashes(path)]
     assert not found, found
     from lightning_fsdp_resume._patching import _held, _patches
 
     holders = {cls for cls in vars(_held).values() if isinstance(cls, type) and cls.__module__ == _held.__name__}
-    assert {table.held for table in _patches.TABLES if table.held} == holders - {_held.Settings}
+    assert {table.held for table in _patches.TABLES if table.held} == holders - {_held.Settings, _held.Asked}
 
 
 def test_the_stash_rule_sees_what_it_forbids(tmp_path):
     module = tmp_path / "stashing.py"
     module.write_text("def f(obj):\n    global _mode\n    vars(obj)['k'] = 1\n    vars(obj).setdefault('k', {})\n"
-                      "    vars(obj).pop('k', None)\n    return vars(obj).get('k')\n")
-    assert list(_stashes(module)) == ["global _mode", "vars() written", "vars() written", "vars() written"]
+                      "    vars(obj).pop('k', None)\n    return vars(obj).get('k')\n_ASKED = contextvars.ContextVar('x')\n")
+    assert sorted(_stashes(module)) == ["a context variable", "global _mode", "vars() written", "vars() written", "vars() written"]
 
 
 def _participant_classes(path: Path) -> Set[str]:

@@ -2,36 +2,22 @@
 ``consolidate`` would write it, and a full file is unpickled restricted unless ``weights_only=False``; and
 ``load_from_checkpoint`` runs ``configure_sharded_model`` before the weights load (``wrap_load_state``).
 """
-import contextlib
-import contextvars
 import functools
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Optional
 
 from .. import _storage
 from .._checkpoint import _format, _preflight, _whole_read
 from .._patching import _signature
+from .._patching._held import asked
 from .._patching._patcher import Patcher, Wrap
 from .._save_load import _loading
 from .._storage import Location, checked
 
-# ``load_from_checkpoint(..., ema=True)`` in progress: its read gives the average of the weights (``ShardedEMA``'s) as
-# the weights
-_AVERAGE: "contextvars.ContextVar[bool]" = contextvars.ContextVar("ema", default=False)
-
-
-@contextlib.contextmanager
-def average_as_weights(ema: bool) -> Iterator[None]:
-    """Inside this block, a checkpoint read by Lightning gives the average of the weights under ``state_dict``."""
-    token = _AVERAGE.set(ema)
-    try:
-        yield
-    finally:
-        _AVERAGE.reset(token)
-
 
 def _as_asked(checkpoint: Any, where: str) -> Any:
-    """``checkpoint``, with the average of the weights in place of them inside ``average_as_weights(True)``."""
-    if not _AVERAGE.get():
+    """``checkpoint``, with the average of the weights in place of them where the call asked for it
+    (``load_from_checkpoint(ema=True)``: ``_held.asking(average=True)``)."""
+    if not asked().average:
         return checkpoint
     average = checkpoint.pop(_format.EMA_STATE_KEY, None) if isinstance(checkpoint, dict) else None
     if average is None:

@@ -9,11 +9,10 @@ from .. import _participants, _storage
 from .._checkpoint import _format, _preflight
 from .._patching import _signature
 from .._patching import _torch_compat as compat
-from .._patching._held import ModuleHeld, StrategyHeld, held, peek
+from .._patching._held import ModuleHeld, StrategyHeld, asking, held, peek
 from .._run_state import _rank_states
 from .._save_load import _background, _loading, _ranks, _saving
 from .._storage import Location
-from . import _lightning_reads
 
 OLD_TORCH_ERROR = (
     "Saving checkpoints with `FSDPStrategy(state_dict_type='sharded')` is not supported in PyTorch < 2.0."
@@ -221,7 +220,7 @@ def wrap_entry(original: Callable) -> Callable:
     def entry(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         weights_only = bound.arguments.pop("weights_only", None)
-        with _loading.loads_with(weights_only):
+        with asking(weights_only=weights_only):
             return original(*bound.args, **bound.kwargs)
 
     entry.__signature__ = signature  # type: ignore[attr-defined]
@@ -236,7 +235,7 @@ def wrap_load_from_checkpoint(original: Any) -> classmethod:
 
     @functools.wraps(function)
     def load_from_checkpoint(cls: Any, *args: Any, weights_only: Optional[bool] = None, ema: bool = False, **kwargs: Any) -> Any:
-        with _loading.loads_with(weights_only), _lightning_reads.average_as_weights(ema):
+        with asking(weights_only=weights_only, average=ema):
             return function(cls, *args, **kwargs)
 
     signature = _signature.with_keyword(function, "weights_only", None, Optional[bool])

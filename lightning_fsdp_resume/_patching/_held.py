@@ -1,13 +1,16 @@
 """What the package keeps on objects it does not own, declared in one place: each kind of object carries one
 dataclass of this module under one attribute (``ATTRIBUTE``), made on first use by ``held`` and read by ``peek``; a
-process-wide setting is a field of ``SETTINGS``. A reader of a patched strategy, Lightning's epoch loop or a module sees
-here everything the package may have left on it (``_patches.HELD`` says which patched class carries which), and
-``tests/test_architecture.py`` holds every other module to write nothing into an object's ``vars()``.
+process-wide setting is a field of ``SETTINGS``; what the user's call in progress asked is an ``Asked`` (``asking``).
+A reader of a patched strategy, Lightning's epoch loop or a module sees here everything the package may have left on
+it (``_patches.HELD`` says which patched class carries which), and ``tests/test_architecture.py`` holds every other
+module to write nothing into an object's ``vars()`` and to keep no context variable of its own.
 No torch, no Lightning: the fields' values are the types of the modules that use them.
 """
+import contextlib
+import contextvars
 import dataclasses
 import weakref
-from typing import Any, Dict, Optional, Type, TypeVar
+from typing import Any, Dict, Iterator, Optional, Type, TypeVar
 
 ATTRIBUTE = "_lightning_fsdp_resume"
 
@@ -55,6 +58,33 @@ class Settings:
 
 
 SETTINGS = Settings()
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What the user's call in progress (a Trainer call, ``load_from_checkpoint``) asked of the reads Lightning 2.0.x
+    makes inside it without a parameter to pass it by: set by ``asking``, read by ``asked``."""
+
+    weights_only: Optional[bool] = None  # _loading: Lightning 2.6's keyword; False trusts the checkpoint's pickles
+    average: bool = False  # _lightning_reads: ``load_from_checkpoint(ema=True)``, the average read as the weights
+
+
+_ASKED: "contextvars.ContextVar[Asked]" = contextvars.ContextVar("lightning_fsdp_resume_asked", default=Asked())
+
+
+@contextlib.contextmanager
+def asking(**asked: Any) -> Iterator[None]:
+    """Inside this block, ``asked()`` answers ``asked`` (Asked's fields) and the rest as outside it."""
+    token = _ASKED.set(dataclasses.replace(_ASKED.get(), **asked))
+    try:
+        yield
+    finally:
+        _ASKED.reset(token)
+
+
+def asked() -> Asked:
+    """What the call in progress asked (``Asked()`` outside every ``asking`` block)."""
+    return _ASKED.get()
 Held = TypeVar("Held", StrategyHeld, ModuleHeld, LoopHeld)
 
 

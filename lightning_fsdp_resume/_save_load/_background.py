@@ -283,6 +283,12 @@ def staging(strategy: Any) -> Staging:
     return kept
 
 
+def prepared(strategy: Any, optimizer: Any) -> bool:
+    """Whether ``prepare`` ran for ``optimizer`` (after its first step): every later step asks, so nothing else is done."""
+    kept = peek(strategy, StrategyHeld)
+    return kept is not None and kept.staging is not None and id(optimizer) in kept.staging.prepared
+
+
 def prepare(strategy: Any, optimizer: Any, tensors: Callable[[], Iterable[Any]],
             ahead: Optional[Callable[[], Any]] = None) -> None:
     """After ``optimizer``'s first step (its states exist then), once: ``Staging.prepare`` for the storages of

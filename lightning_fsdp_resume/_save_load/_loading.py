@@ -1,41 +1,27 @@
 """The load routine both FSDP strategies share (``load``): rank 0 names and checks the checkpoint, then one FSDP module
 and its optimizers load into their shards, from a sharded directory or a full file; a caller's differences come in a
-``Request``, the user's ``weights_only`` through ``loads_with``. No patching here, and no import of Lightning.
+``Request``, the user's ``weights_only`` as the call asked it (``_held.asking``). No patching here, and no import of
+Lightning.
 """
-import contextlib
-import contextvars
 import functools
 import re
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from .. import _storage
 from .._checkpoint import _format, _preflight, _reader
 from .._patching import _torch_compat as compat
+from .._patching._held import asked
 from .._storage import Location, checked
 from . import _background, _shard_layout
 from ._ranks import broadcast, decided_on_rank_zero, raise_found_on_any_rank, warn_rank_zero
 
-# The ``weights_only`` given to the Trainer call or ``load_from_checkpoint`` in progress (Lightning 2.6's keyword), for
-# the loads Lightning 2.0.x makes inside it without a parameter to pass it by. None: not given.
-_WEIGHTS_ONLY: "contextvars.ContextVar[Optional[bool]]" = contextvars.ContextVar("weights_only", default=None)
-
-
-@contextlib.contextmanager
-def loads_with(weights_only: Optional[bool]) -> Iterator[None]:
-    """The loads made inside this block take ``weights_only`` where they are given none themselves."""
-    token = _WEIGHTS_ONLY.set(weights_only)
-    try:
-        yield
-    finally:
-        _WEIGHTS_ONLY.reset(token)
-
 
 def trusted(weights_only: Optional[bool] = None) -> bool:
     """Whether a load may unpickle whatever its checkpoint names: only when ``weights_only=False`` was given, to the
-    load or to the call it runs in (``loads_with``). ``None`` (the default) and ``True`` read every pickle restricted
+    load or to the call it runs in (``_held.asking``). ``None`` (the default) and ``True`` read every pickle restricted
     (``_unpickling``)."""
     if weights_only is None:
-        weights_only = _WEIGHTS_ONLY.get()
+        weights_only = asked().weights_only
     return weights_only is False
 
 
@@ -286,8 +272,39 @@ def load_full_optimizer_state(model: Any, optimizer: Any, state: Dict[str, Any],
     # torch's loaders convert the whole state to FSDP's layout first (torch >= 2.5's set_optimizer_state_dict: twice
     # the memory of native 2.1.4, which uses FSDP.optim_state_dict_to_load); this slices out what the rank holds.
     by_name = {prefix + name: value for name, value in state["state"].items()}
-    source = _shard_layout.FullSource(by_name, found.shapes)
+    source = FullSource(by_name, found.shapes)
     _shard_layout.load_into_shards(optimizer, found, source, state["param_groups"])
+
+
+class FullSource:
+    """States from a full, name-keyed optimizer state dict (every original parameter's whole state), for
+    ``_shard_layout.load_into_shards``."""
+
+    def __init__(self, state: Dict[str, Dict[str, Any]], shapes: Dict[str, Tuple[int, ...]]) -> None:
+        self.state = state
+        self.shapes = shapes
+
+    def state_names(self, name: str) -> List[str]:
+        return list(self.state.get(name, {}))
+
+    def is_sharded(self, name: str, state_name: str) -> bool:
+        value = self.state[name][state_name]
+        return getattr(value, "dim", lambda: 0)() > 0 and tuple(value.shape) == self.shapes[name]
+
+    def whole(self, name: str, state_name: str) -> Any:
+        value = self.state[name][state_name]
+        return value.clone() if hasattr(value, "clone") else value
+
+    def new_tensor(self, name: str, state_name: str, numel: int) -> Any:
+        import torch
+
+        return torch.zeros(numel, dtype=self.state[name][state_name].dtype)
+
+    def fill(self, state_name: str, tensor: Any, piece: _shard_layout.Piece) -> None:
+        _shard_layout.copy_piece(self.state[piece.name][state_name], tensor, piece)
+
+    def finish(self) -> None:
+        pass
 
 
 def load_sharded_optimizer_state(

@@ -94,7 +94,8 @@ def preparing_background_saves(original_optimizer_step: Callable, asked: Callabl
     @functools.wraps(original_optimizer_step)
     def optimizer_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         result = original_optimizer_step(self, optimizer, *args, **kwargs)
-        if asked(self) and state_dict_type(self) == _format.SHARDED and compat.saves_in_background() and compat.distributed():
+        if (asked(self) and state_dict_type(self) == _format.SHARDED and compat.saves_in_background() and compat.distributed()
+                and not _background.prepared(self, optimizer)):
             root = module(self)
             ahead = _shard_views.ahead(root, optimizer) if root is not None and compat.through_flat_shards() else None
             _background.prepare(self, optimizer, lambda: training_tensors(root, [optimizer]), ahead)

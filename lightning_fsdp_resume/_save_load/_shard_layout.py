@@ -291,36 +291,6 @@ def piece_boxes(shape: Sequence[int], piece: Piece) -> Iterator[Tuple[Tuple[int,
         at += math.prod(sizes)
 
 
-class FullSource:
-    """States from a full, name-keyed optimizer state dict (every original parameter's whole state)."""
-
-    def __init__(self, state: Dict[str, Dict[str, Any]], shapes: Dict[str, Tuple[int, ...]]) -> None:
-        self.state = state
-        self.shapes = shapes
-
-    def state_names(self, name: str) -> List[str]:
-        return list(self.state.get(name, {}))
-
-    def is_sharded(self, name: str, state_name: str) -> bool:
-        value = self.state[name][state_name]
-        return getattr(value, "dim", lambda: 0)() > 0 and tuple(value.shape) == self.shapes[name]
-
-    def whole(self, name: str, state_name: str) -> Any:
-        value = self.state[name][state_name]
-        return value.clone() if hasattr(value, "clone") else value
-
-    def new_tensor(self, name: str, state_name: str, numel: int) -> Any:
-        import torch
-
-        return torch.zeros(numel, dtype=self.state[name][state_name].dtype)
-
-    def fill(self, state_name: str, tensor: Any, piece: Piece) -> None:
-        copy_piece(self.state[piece.name][state_name], tensor, piece)
-
-    def finish(self) -> None:
-        pass
-
-
 class CheckpointSource:
     """States from a sharded checkpoint: each piece is read by ``torch.distributed.checkpoint`` into a view
     of the state it belongs to, in ``finish()`` (a collective: every rank calls it)."""
