@@ -229,9 +229,10 @@ def test_the_stash_rule_sees_what_it_forbids(tmp_path):
 
 
 def _participant_classes(path: Path) -> Set[str]:
-    """The classes the module at ``path`` declares as checkpoint participants (subclasses of ``Participant``)."""
+    """The classes the module at ``path`` declares as checkpoint participants (subclasses of ``Participant`` or
+    ``Entry``)."""
     return {node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
-            and any("Participant" in _names_in(base) for base in node.bases)}
+            and any({"Participant", "Entry"} & _names_in(base) for base in node.bases)}
 
 
 # The readers that pick a participant's entry by the user's option (``--ema``, ``load_from_checkpoint(ema=True)``)
@@ -240,12 +241,12 @@ READERS = {"_checkpoint._whole_read", "_commands._consolidate", "_lightning._lig
 
 def test_no_module_outside_the_participants_names_one():
     """Saves and loads know the states kept beside the weights through ``_participants`` alone: a participant's module
-    is imported by the entry point that offers it (layer 10) and by no other, and its entries' keys are named by the
-    format, itself and the readers the user asks for it."""
+    is imported by the entry point that offers it (layer 10) or the table that registers it (layer 9) and by no other
+    but participants, and its entries' keys are named by the format, itself and the readers the user asks for it."""
     known, layer = modules(), layers()
     participants = {name for name, path in known.items() if _participant_classes(path)}
     assert participants, "no module declares a Participant"
-    importing = [f"{name} imports {target}" for name, path in known.items() if name not in participants and layer[name] < 10
+    importing = [f"{name} imports {target}" for name, path in known.items() if name not in participants and layer[name] < 9
                  for target in imports(name, path, set(known)) & participants]
     assert not importing, importing
     keys = {"EMA_KEY", "EMA_STATE_KEY"}
@@ -256,7 +257,8 @@ def test_no_module_outside_the_participants_names_one():
 
 def test_the_participant_rule_sees_what_it_forbids(tmp_path):
     module = tmp_path / "participating.py"
-    module.write_text("from . import _participants\nclass Kept(_participants.Participant):\n    key = _format.EMA_KEY\n")
-    assert _participant_classes(module) == {"Kept"}
+    module.write_text("from . import _participants\nclass Kept(_participants.Participant):\n    key = _format.EMA_KEY\n"
+                      "class Place(_participants.Entry):\n    key = 'place'\nclass Other(dict):\n    pass\n")
+    assert _participant_classes(module) == {"Kept", "Place"}
     assert "EMA_KEY" in _names_in(ast.parse(module.read_text()))
     assert imports("_lightning._strategy", PACKAGE / "_lightning" / "_strategy.py", set(modules())) & {"_participants"}

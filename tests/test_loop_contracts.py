@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import lightning_fsdp_resume  # noqa: F401  (the import under test)
+from lightning_fsdp_resume import _participants
 from support.flavours import NATIVE, TRAINER_UNDER_TEST
 
 pytestmark = pytest.mark.skipif(NATIVE, reason="the shim's loop patches: native Lightning is not patched")
@@ -83,3 +84,45 @@ def test_a_failure_inside_a_validation_resumes_by_finishing_it_with_the_uninterr
     assert failing.logged == reference.logged[:1]
     assert resumed.logged == reference.logged[1:], "the validation at step 4 and the ones after it"
     assert trainer.fit_loop.epoch_loop.val_loop.batch_progress.current.completed == 3
+
+
+class Visits(_participants.Entry):
+    """A checkpoint entry of the run no module of the package knows: how many checkpoints it made."""
+
+    key = "visits"
+
+    def __init__(self) -> None:
+        self.made, self.asked_by, self.handed = 0, [], []
+
+    def state(self, trainer, ours):
+        self.made += 1
+        self.asked_by.append((trainer.global_step, ours))
+        return {"made": self.made}
+
+    def loaded(self, trainer, checkpoint, where, ours):
+        self.handed.append((checkpoint.pop(self.key, None), where, trainer.state.fn, ours))
+
+
+class Reading(Net):
+    def on_load_checkpoint(self, checkpoint):
+        self.read = set(checkpoint)
+
+
+def test_an_entry_no_module_knows_rides_every_checkpoint_and_is_taken_before_the_hooks_read_it(tmp_path):
+    """A registered ``Entry`` is the whole of what a new state of the run needs: every checkpoint carries its state
+    (asked on each save, told the strategy is not the package's FSDP one), and the call that resumes hands it the
+    loaded checkpoint before Lightning's hooks read it, so what it takes they do not see."""
+    visits = Visits()
+    _participants.register(visits)
+    try:
+        saving = callbacks.ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+        _trainer(tmp_path, callbacks=[saving], limit_val_batches=0).fit(Net(), _data(8))
+        assert visits.asked_by == [(2, False)]
+        assert torch.load(tmp_path / "step=2.ckpt", weights_only=False)["visits"] == {"made": 1}
+        resumed = Reading()
+        _trainer(tmp_path, limit_val_batches=0).fit(resumed, _data(8), ckpt_path=tmp_path / "step=2.ckpt")
+        assert visits.handed == [({"made": 1}, f"The checkpoint {str(tmp_path / 'step=2.ckpt')!r}", "fit", False)]
+        assert "visits" not in resumed.read and "data_position" in resumed.read
+    finally:
+        _participants._ENTRIES.pop(Visits.key)
+    assert "visits" not in {entry.key for entry in _participants.entries()}

@@ -9,8 +9,7 @@ from .. import _participants, _storage
 from .._checkpoint import _format, _preflight
 from .._patching import _signature
 from .._patching import _torch_compat as compat
-from .._patching._held import ModuleHeld, StrategyHeld, asking, held, peek
-from .._run_state import _rank_states
+from .._patching._held import ModuleHeld, asking, held
 from .._save_load import _background, _loading, _ranks, _saving
 from .._storage import Location
 
@@ -113,9 +112,6 @@ def save_checkpoint(self: Any, checkpoint: Dict[str, Any], filepath: Any, storag
     """A sharded directory (``model``, ``optimizer_0``, … and ``meta.pt``) or one file, put at ``filepath``
     only once complete."""
     _saving.refuse_storage_options(storage_options)
-    states = _rank_states.gathered(self.model)  # every rank's RNG states and rank-local buffers, on rank 0
-    if states is not None:
-        checkpoint[_rank_states.KEY] = states
     io = _plain_io(self)
     participants = [participant for participant in _participants.of(self.lightning_module) if participant.saves()]
     kind = _saving.state_dict_type(self)
@@ -198,16 +194,7 @@ def load_checkpoint(self: Any, checkpoint_path: Any, weights_only: Optional[bool
     rest of the checkpoint for Lightning to restore (loops, callbacks, schedulers). ``weights_only`` (Lightning 2.6's;
     None: the Trainer call's, ``wrap_entry``): ``False`` trusts the checkpoint's pickles to run any code; otherwise
     every one is unpickled restricted, before anything loads."""
-    rest = _loading.load(self, checkpoint_path, _TrainerLoad(self, weights_only))
-    states = rest.pop(_rank_states.KEY, None)
-    # Evaluation runs with the model's copy of the buffers (rank 0's), as every other reader does.
-    if states is not None and _fitting(self):
-        if _rank_states.restore_buffers(states, self.model, where=f"The checkpoint {str(checkpoint_path)!r}"):
-            # the generators when training starts (on_train_start): Lightning 2.0.x before 2.0.9 draws a random
-            # number between here and then (iter(dataloader) in setup_data), which the uninterrupted run drew
-            # before it saved
-            held(self, StrategyHeld).rank_states = states
-    return rest
+    return _loading.load(self, checkpoint_path, _TrainerLoad(self, weights_only))
 
 
 def wrap_entry(original: Callable) -> Callable:
@@ -244,15 +231,14 @@ def wrap_load_from_checkpoint(original: Any) -> classmethod:
 
 
 def wrap_on_train_start(original_on_train_start: Callable) -> Callable:
-    """Each rank's RNG states and buffers from the checkpoint ``fit`` resumes, right before its first epoch."""
+    """The checkpoint entries' last part of a resume (``_participants.Entry.starting``: each rank's random states),
+    right before the first epoch."""
 
     @functools.wraps(original_on_train_start)
     def on_train_start(self: Any) -> None:
         original_on_train_start(self)
-        kept = peek(self, StrategyHeld)
-        if kept is not None and kept.rank_states is not None:
-            states, kept.rank_states = kept.rank_states, None
-            _rank_states.restore_rng(states)
+        for entry in _participants.entries():
+            entry.starting(self.lightning_module.trainer)
 
     return on_train_start
 

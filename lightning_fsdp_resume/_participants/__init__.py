@@ -1,8 +1,10 @@
-"""Checkpoint participants: states a checkpoint carries beside one FSDP model's weights, each under an entry of its own
-and in the weights' sharded layout (``ShardedEMA``'s average, ``_ema.Average``, is one). The saves and loads know
-them only through ``Participant``: a participant attaches to the module whose checkpoints carry it (a LightningModule,
-which outlives its Trainers), and every save, load and rank-state capture asks ``of`` or ``within`` for what is
-attached. Adding one is a module that subclasses ``Participant`` and calls ``attach``. No torch.
+"""Checkpoint participants, the states a checkpoint carries beside the weights, each under an entry of its own, of two
+kinds. A ``Participant`` is in one FSDP model's sharded layout (``ShardedEMA``'s average, ``_ema.Average``): it
+attaches to the module whose checkpoints carry it (a LightningModule, which outlives its Trainers), and every save,
+load and rank-state capture asks ``of`` or ``within`` for what is attached. An ``Entry`` is a state of the run, stored
+as it is (every rank's random states, the data position): it registers once, and every Trainer checkpoint asks it.
+The saves and loads know them only through these two classes: adding one is a module that subclasses one and calls
+``attach`` or ``register``. No torch.
 """
 from typing import Any, Dict, Iterator, List
 
@@ -58,6 +60,42 @@ class Participant:
     def rank_tensors(self) -> Dict[str, Any]:
         """This rank's tensors that differ from rank to rank (as buffers do), by ``model``'s names."""
         return {}
+
+
+class Entry:
+    """A state of the run that a Trainer checkpoint carries under an entry of its own, as it is rather than in the
+    weights' layout: every rank's random states and buffers (``_rank_states``), the run's place in its data
+    (``_epoch_loop``). Each registers itself (``register``) as its module is imported; the checkpoint connector's
+    patches (``_lightning._connector``) ask every one as a checkpoint is made and as a Trainer call resumes from one.
+    ``ours``: the Trainer's strategy is the package's FSDP one, whose saves and loads every rank makes."""
+
+    key: str  # its entry in the checkpoint
+
+    def state(self, trainer: Any, ours: bool) -> Any:
+        """What the checkpoint being made holds under ``key``, asked on every rank once Lightning's entries and hooks
+        are in; None: no entry."""
+        raise NotImplementedError
+
+    def loaded(self, trainer: Any, checkpoint: Dict[str, Any], where: str, ours: bool) -> None:
+        """The checkpoint at ``where`` a Trainer call resumes from, as loaded, before Lightning and the user's hooks
+        read it: its entry taken (``pop`` keeps it from them), or what a checkpoint without one means."""
+        raise NotImplementedError
+
+    def starting(self, trainer: Any) -> None:
+        """As a resumed fit starts training (the package's strategy's ``on_train_start``, after every other hook)."""
+
+
+_ENTRIES: Dict[str, Entry] = {}  # every registered Entry by its key: a declaration, made once per module
+
+
+def register(entry: Entry) -> None:
+    """Checkpoints carry ``entry`` from now on, under its key (one per key: a module imported again replaces its own)."""
+    _ENTRIES[entry.key] = entry
+
+
+def entries() -> List[Entry]:
+    """The registered ``Entry``s, in the order they registered."""
+    return list(_ENTRIES.values())
 
 
 def attach(module: Any, participant: Participant) -> None:

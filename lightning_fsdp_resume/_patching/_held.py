@@ -22,7 +22,7 @@ class StrategyHeld:
     pending_save: Any = None  # _background.Pending: this rank's save in the background, until it is waited for
     save_group: Any = None  # _background: the background threads' process group
     staging: Any = None  # _background.Staging: the host buffers that saves in the background copy into
-    rank_states: Any = None  # _strategy: a loaded checkpoint's rank states (one per rank), for when fit starts
+    rank_states: Any = None  # _rank_states: a loaded checkpoint's rank states (one per rank), for when fit starts
 
 
 @dataclasses.dataclass

@@ -89,7 +89,7 @@ def FSDP_STRATEGY_PATCHES() -> Rows:
         "load_optimizer_state_dict": _strategy.load_optimizer_state_dict,
         # save_top_k at a URL: a sharded checkpoint's pointer, then its data
         "remove_checkpoint": Wrap(_strategy.wrap_remove_checkpoint),
-        # each rank's RNG states and buffers, restored as the resumed fit starts training
+        # the checkpoint entries' last part of a resume as training starts (each rank's random states)
         "on_train_start": Wrap(_strategy.wrap_on_train_start),
         # AsyncCheckpointIO: the end of fit waits for the save in the background and raises its failure
         "teardown": Wrap(_strategy.wrap_teardown),
@@ -203,13 +203,15 @@ def EPOCH_LOOP_PATCHES() -> Rows:
     }
 
 
-# Every rank's data position and the run's data cursor in a checkpoint entry of their own, any strategy: Lightning's
-# loop state stays as Lightning writes it
+# The states of the run a checkpoint carries under entries of their own (_participants.Entry), any strategy: every
+# rank's random states and buffers (the package's FSDP strategy's), its data position and cursor; Lightning's loop
+# state stays as Lightning writes it
 @patches(TRAINER, "trainer.connectors.checkpoint_connector", "_CheckpointConnector")
 def CHECKPOINT_CONNECTOR_PATCHES() -> Rows:
-    from .._run_state import _epoch_loop
+    from .._lightning import _connector
+    from .._run_state import _epoch_loop, _rank_states  # noqa: F401  (the entries: each registers as it is imported)
 
     return {
-        "dump_checkpoint": Wrap(_epoch_loop.wrap_dump_checkpoint),
-        "restore_loops": Wrap(_epoch_loop.wrap_restore_loops),
+        "dump_checkpoint": Wrap(_connector.wrap_dump_checkpoint),
+        "resume_start": Wrap(_connector.wrap_resume_start),
     }

@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .._patching._held import SETTINGS
-from . import _rank_states
+from .._save_load import _ranks
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def generators(loader: Any) -> Dict[str, Any]:
 def epoch_start(loaders: Sequence[Any]) -> Dict[str, Any]:
     """This rank's random states as an epoch's data iterator is about to be made: what the samplers and the loaders'
     workers draw from."""
-    return {"rng": _rank_states.rng_state(), "generators": _generator_states(loaders)}
+    return {"rng": _ranks.rng_state(), "generators": _generator_states(loaders)}
 
 
 def position(epoch: int, batches: int, validation: Optional[str], start: Optional[Dict[str, Any]],
@@ -93,8 +93,8 @@ def reposition(loaders: Sequence[Any], saved: Dict[str, Any], create: Callable[[
     ``batches``."""
     count = saved["batches"]
     how = _how(loaders, saved)
-    before = _rank_states.rng_state()
-    _rank_states.set_rng_state(saved["start"]["rng"])
+    before = _ranks.rng_state()
+    _ranks.set_rng_state(saved["start"]["rng"])
     restore_generators(loaders, saved["start"]["generators"])
     began = time.perf_counter()
     try:
@@ -116,7 +116,7 @@ def reposition(loaders: Sequence[Any], saved: Dict[str, Any], create: Callable[[
                 except StopIteration:
                     raise _shorter(saved, done) from None
     finally:
-        _rank_states.set_rng_state(before)
+        _ranks.set_rng_state(before)
         # a stateful loader's own state sets the generators it draws from, maybe only when first asked: left as they are
         if how != "state":
             restore_generators(loaders, saved["generators"])

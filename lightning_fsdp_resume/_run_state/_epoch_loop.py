@@ -1,15 +1,16 @@
 """A Trainer run resumed inside an epoch, or inside a validation, goes on from where it stopped, for every strategy and
-on any number of ranks. Methods of Lightning 2.0.x's ``_TrainingEpochLoop`` and of its checkpoint connector, which
-keeps every rank's data position and the run's data cursor in a checkpoint entry of their own."""
+on any number of ranks: methods of Lightning 2.0.x's ``_TrainingEpochLoop``, and every rank's data position and the
+run's data cursor as a checkpoint entry of their own (``DataPosition``, a ``_participants.Entry``)."""
 import contextlib
 import functools
 import logging
 import warnings
 from typing import Any, Callable, Dict, Iterator, Optional
 
+from .. import _participants
 from .._patching._held import LoopHeld, held
 from .._save_load import _ranks
-from . import _data_cursor, _data_position, _rank_states
+from . import _data_cursor, _data_position
 
 log = logging.getLogger(__name__)
 ENTRY = "data_position"  # the checkpoint's entry: every rank's position and the run's data cursor
@@ -33,22 +34,28 @@ def _loaders(self: Any) -> list:
     return list(loader.flattened) if loader is not None else []
 
 
-def wrap_dump_checkpoint(original: Callable) -> Callable:
+class DataPosition(_participants.Entry):
     """The checkpoint's entry ``data_position``, beside Lightning's own (whose loop state stays as Lightning writes
-    it): every rank's position where every rank saves (the patched FSDP strategy's saves are collectives), rank 0's
-    for every rank elsewhere (DDP, whose saves rank 0 may make alone), and the run's data cursor."""
+    it), for every strategy: every rank's position where every rank saves (``ours``: the package's FSDP strategy's
+    saves are collectives), rank 0's for every rank elsewhere (DDP, whose saves rank 0 may make alone), and the run's
+    data cursor. A fit resumed from a checkpoint hands this rank's position to the epoch loop (``on_run_start``): the
+    entry's, or an earlier release's positions inside the loop's state."""
 
-    @functools.wraps(original)
-    def dump_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Dict:
-        checkpoint = original(self, *args, **kwargs)
-        if _on():
-            checkpoint[ENTRY] = _entry(self.trainer)
-        return checkpoint
+    key = ENTRY
 
-    return dump_checkpoint
+    def state(self, trainer: Any, ours: bool) -> Optional[Dict[str, Any]]:
+        return _entry(trainer, ours) if _on() else None
+
+    def loaded(self, trainer: Any, checkpoint: Dict[str, Any], where: str, ours: bool) -> None:
+        if trainer.state.fn == "fit":
+            entry = checkpoint.get(ENTRY) or _legacy_entry(checkpoint)
+            _state(trainer.fit_loop.epoch_loop).pending = _mine(entry) if isinstance(entry, dict) and entry.get("positions") else None
 
 
-def _entry(trainer: Any) -> Dict[str, Any]:
+_participants.register(DataPosition())
+
+
+def _entry(trainer: Any, every_rank_saves: bool) -> Dict[str, Any]:
     loop = trainer.fit_loop.epoch_loop
     batches = loop.batch_progress.current.processed
     validation = None
@@ -56,12 +63,12 @@ def _entry(trainer: Any) -> Dict[str, Any]:
         validation = END if _validation_finished(loop.val_loop) else INSIDE
     loaders = _loaders(loop)
     mine = _data_position.position(trainer.current_epoch, batches, validation, _state(loop).start, loaders)
-    world_size = _rank_states.rank_and_world_size()[1]
+    world_size = _ranks.rank_and_world_size()[1]
     found = _data_cursor.identity(loaders[0]) if len(loaders) == 1 else None
     segment = _state(loop).segment or _data_cursor.first_segment(world_size)
     return {
         "world_size": world_size,
-        "positions": _ranks.everyone(mine) if _every_rank_saves(trainer) else [mine],
+        "positions": _ranks.everyone(mine) if every_rank_saves else [mine],
         "cursor": _data_cursor.cursor(found, segment, batches) if found else None,
     }
 
@@ -76,36 +83,13 @@ def _validation_finished(val_loop: Any) -> bool:
     return progress.is_last_batch or progress.current.completed >= total
 
 
-def _every_rank_saves(trainer: Any) -> bool:
-    from .._lightning import _strategy
-
-    return getattr(type(trainer.strategy), "save_checkpoint", None) is _strategy.save_checkpoint
-
-
-def wrap_restore_loops(original: Callable) -> Callable:
-    """This rank's position in the checkpoint being resumed, handed to the epoch loop: the ``data_position`` entry, or
-    an earlier release's positions inside the loop's state."""
-
-    @functools.wraps(original)
-    def restore_loops(self: Any) -> None:
-        original(self)
-        loaded, trainer = self._loaded_checkpoint, self.trainer
-        if not loaded or trainer.state.fn != "fit":
-            return
-        state = _state(trainer.fit_loop.epoch_loop)
-        entry = loaded.get(ENTRY) or _legacy_entry(loaded)
-        state.pending = _mine(entry) if isinstance(entry, dict) and entry.get("positions") else None
-
-    return restore_loops
-
-
 def _legacy_entry(loaded: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     loop = loaded.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
     positions = loop.get(_LEGACY) if isinstance(loop, dict) else None
     if not isinstance(positions, list) or not positions:
         return None
     every_rank = len(positions) == 1 and positions[0].get("every_rank")
-    world_size = _rank_states.rank_and_world_size()[1] if every_rank else len(positions)
+    world_size = _ranks.rank_and_world_size()[1] if every_rank else len(positions)
     for position in positions:
         position.setdefault("validation", END if position.get("validated") else None)
     return {"world_size": world_size, "positions": positions, "cursor": None}
@@ -114,7 +98,7 @@ def _legacy_entry(loaded: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 def _mine(entry: Dict[str, Any]) -> Dict[str, Any]:
     """This rank's saved position (rank 0's where it saved alone, or where this rank did not exist), with the run's
     cursor and the number of ranks that saved it."""
-    rank = _rank_states.rank_and_world_size()[0]
+    rank = _ranks.rank_and_world_size()[0]
     positions = entry["positions"]
     mine = positions[rank] if rank < len(positions) else positions[0]
     return dict(mine, cursor=entry.get("cursor"), saved_by=entry["world_size"])
@@ -201,7 +185,7 @@ def wrap_on_advance_end(original: Callable) -> Callable:
         original(self)
         state = _state(self)
         if state.rng_after_validation is not None:
-            _rank_states.set_rng_state(state.rng_after_validation)
+            _ranks.set_rng_state(state.rng_after_validation)
             state.rng_after_validation = None
 
     return on_advance_end
@@ -241,7 +225,7 @@ def wrap_on_run_start(original: Callable) -> Callable:
         if saved is not None and saved.get("validation") == INSIDE and self.restarting:
             # saved inside a validation, after its data iterator drew a random number, which running it again draws
             # again: the states restored now are the ones the uninterrupted run went on with after it
-            state.rng_after_validation = _rank_states.rng_state()
+            state.rng_after_validation = _ranks.rng_state()
         if saved is None or not saved.get("start") or saved["epoch"] != self.trainer.current_epoch or not self.restarting:
             if saved is not None:  # resumed at an epoch's end: the samplers' generators as the saving run left them
                 _data_position.restore_generators(loaders, saved["generators"])

@@ -1,17 +1,16 @@
 """What each rank keeps to itself and a checkpoint must hold once per rank for an exact resume: its RNG states and the
 buffers its own batches updated (FSDP does not synchronise buffers, e.g. BatchNorm's statistics) and the rank-local
 tensors of the checkpoint participants kept beside them (``_participants``: ``ShardedEMA``'s buffers), as one list
-by rank, ``rank_states``, written by rank 0, read with ``weights_only=True``, restored on each rank the saving run had.
+by rank, ``rank_states``, written by rank 0, read with ``weights_only=True``, restored on each rank the saving run had:
+the Trainer's checkpoint entry (``Entry``), and Fabric's ``RankStates``.
 """
 import pickle
-import random
-import sys
 from typing import Any, Dict, List, Optional
 
 from .. import _participants
 from .._checkpoint import _format, _unpickling
-from .._patching import _torch_compat as compat
-from .._save_load._ranks import agree
+from .._patching._held import StrategyHeld, held, peek
+from .._save_load._ranks import agree, rank_and_world_size, rng_state, set_rng_state
 
 KEY = "rank_states"  # the checkpoint entry (the Trainer's; Fabric: wherever the user puts a RankStates)
 # each rank's holds the rank's buffers by their clean names (``_buffers``) under BUFFERS, and each participant's
@@ -28,36 +27,6 @@ def capture(module: Any) -> Dict[str, Any]:
             if tensors or key == BUFFERS:
                 state[key] = {name: value.detach().cpu().clone() for name, value in tensors.items()}
     return state
-
-
-def rng_state() -> Dict[str, Any]:
-    """This process's random number generators' states: torch's CPU and, where initialised, CUDA generators,
-    Python's ``random``, NumPy's where imported."""
-    import torch
-
-    rng: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    numpy = sys.modules.get("numpy")  # imported by the user's code, or not wanted
-    if numpy is not None:
-        # its key array as a tensor: a checkpoint read with weights_only=True (torch >= 2.6's default) takes no arrays
-        kind, keys, *rest = numpy.random.get_state()
-        rng["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), *rest)
-    return rng
-
-
-def set_rng_state(rng: Dict[str, Any]) -> None:
-    """Put back the states ``rng_state`` returned."""
-    import torch
-
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    numpy = sys.modules.get("numpy")
-    if "numpy" in rng and numpy is not None:
-        kind, keys, *rest = rng["numpy"]
-        numpy.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
 
 
 def gathered(module: Any) -> Optional[List[Dict[str, Any]]]:
@@ -133,12 +102,31 @@ def restore_rng(states: List[Dict[str, Any]]) -> None:
     set_rng_state(states[rank_and_world_size()[0]]["rng"])
 
 
-def rank_and_world_size():
-    if not compat.distributed():
-        return 0, 1  # one process without a process group: a notebook, a unit test
-    import torch.distributed as dist
+class Entry(_participants.Entry):
+    """``rank_states`` in the checkpoints of the package's FSDP strategy (``ours``: every rank saves, so ``gathered``
+    may gather), taken from them as a Trainer call loads one. A fit restores this rank's buffers then and its random
+    states as training starts: Lightning 2.0.x before 2.0.9 draws a random number between (``iter(dataloader)`` in
+    ``setup_data``), which the uninterrupted run drew before it saved. Evaluation keeps the model's copy of the buffers
+    (rank 0's), as every other reader does."""
 
-    return dist.get_rank(), dist.get_world_size()
+    key = KEY
+
+    def state(self, trainer: Any, ours: bool) -> Optional[List[Dict[str, Any]]]:
+        return gathered(trainer.strategy.model) if ours else None
+
+    def loaded(self, trainer: Any, checkpoint: Dict[str, Any], where: str, ours: bool) -> None:
+        states = checkpoint.pop(KEY, None) if ours else None
+        if states is not None and trainer.state.fn == "fit" and restore_buffers(states, trainer.strategy.model, where):
+            held(trainer.strategy, StrategyHeld).rank_states = states
+
+    def starting(self, trainer: Any) -> None:
+        kept = peek(trainer.strategy, StrategyHeld)
+        if kept is not None and kept.rank_states is not None:
+            states, kept.rank_states = kept.rank_states, None
+            restore_rng(states)
+
+
+_participants.register(Entry())
 
 
 class RankStates:

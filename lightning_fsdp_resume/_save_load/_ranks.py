@@ -1,10 +1,13 @@
 """What every rank must agree on: rank 0's value or verdict given to all, every rank's outcome of a step (``failures``,
 ``agree``), broadcasts and barriers that also work without a process group (a notebook, a unit test), as native 2.1's
-do. ``strategy`` is the Trainer's or Fabric's strategy object (``global_rank``, ``broadcast``, ``barrier``).
+do; and what each rank has of its own: its rank, and its random number generators' states. ``strategy`` is the
+Trainer's or Fabric's strategy object (``global_rank``, ``broadcast``, ``barrier``).
 """
 import pickle
+import random
+import sys
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .._checkpoint import _unpickling
 from .._patching import _torch_compat as compat
@@ -116,3 +119,42 @@ def barrier(strategy: Any) -> None:
 def warn_rank_zero(strategy: Any, message: str) -> None:
     if strategy.global_rank == 0:
         warnings.warn(message)
+
+
+def rank_and_world_size() -> Tuple[int, int]:
+    """This process's rank and the number of ranks (0 and 1 without a process group)."""
+    if not compat.distributed():
+        return 0, 1  # one process without a process group: a notebook, a unit test
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's random number generators' states: torch's CPU and, where initialised, CUDA generators,
+    Python's ``random``, NumPy's where imported."""
+    import torch
+
+    rng: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")  # imported by the user's code, or not wanted
+    if numpy is not None:
+        # its key array as a tensor: a checkpoint read with weights_only=True (torch >= 2.6's default) takes no arrays
+        kind, keys, *rest = numpy.random.get_state()
+        rng["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), *rest)
+    return rng
+
+
+def set_rng_state(rng: Dict[str, Any]) -> None:
+    """Put back the states ``rng_state`` returned."""
+    import torch
+
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in rng and numpy is not None:
+        kind, keys, *rest = rng["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), *rest))
