@@ -262,3 +262,22 @@ def test_the_participant_rule_sees_what_it_forbids(tmp_path):
     assert _participant_classes(module) == {"Kept", "Place"}
     assert "EMA_KEY" in _names_in(ast.parse(module.read_text()))
     assert imports("_lightning._strategy", PACKAGE / "_lightning" / "_strategy.py", set(modules())) & {"_participants"}
+
+
+# Where a Patcher may be made: the tables' applier, the tables (a patch for one call), the patcher itself, and the test
+# helpers' own opt-in patches of torch and Lightning for CPU FSDP (``enable_cpu_fsdp``), which the import never applies
+PATCHERS = {"__init__", "_patching._patches", "_patching._patcher", "testing"}
+
+
+def test_every_patch_the_import_applies_is_declared_in_the_tables():
+    """No module but the tables' own makes a ``Patcher``: a patch applied at call time is declared in ``_patches``
+    (``CallPatch``) beside the tables, and the code that needs it is handed its ``applied``."""
+    found = [name for name, path in modules().items() if name not in PATCHERS and "Patcher" in _names_in(ast.parse(path.read_text()))]
+    assert not found, found
+
+
+def test_the_patch_rule_sees_what_it_forbids(tmp_path):
+    module = tmp_path / "patching.py"
+    module.write_text("from ._patcher import Wrap\nwith _patcher.Patcher() as p:\n    p.apply(cls, {'f': Wrap(g)})\n")
+    assert "Patcher" in _names_in(ast.parse(module.read_text()))
+    assert "Patcher" not in _names_in(ast.parse("from ._patcher import Patcher\n"))

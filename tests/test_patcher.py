@@ -78,3 +78,24 @@ class TestFabricStatus:
             cls.load = ours
         shim.unpatch()
         assert "load_raw" not in vars(cls) and shim.status()[package].mode == "unpatched"
+
+
+def test_a_patch_for_one_call_is_on_during_it_and_off_exactly_after_however_it_ends():
+    from lightning_fsdp_resume._patching._patches import CallPatch
+
+    class Model:
+        def hook(self):
+            return "own"
+
+    class Inheriting(Model):
+        pass
+
+    patch = CallPatch("a class", lambda: {"hook": Wrap(lambda original: lambda self: "first, then " + original(self))})
+    own = vars(Model)["hook"]
+    with patch.applied(Model):
+        assert Model().hook() == "first, then own"
+    assert vars(Model)["hook"] is own
+    with pytest.raises(KeyError), patch.applied(Inheriting):
+        assert Inheriting().hook() == "first, then own"
+        raise KeyError("the call failed")
+    assert "hook" not in vars(Inheriting) and Inheriting().hook() == "own"

@@ -9,7 +9,6 @@ from .. import _storage
 from .._checkpoint import _format, _preflight, _whole_read
 from .._patching import _signature
 from .._patching._held import asked
-from .._patching._patcher import Patcher, Wrap
 from .._save_load import _loading
 from .._storage import Location, checked
 
@@ -76,24 +75,20 @@ def sharded_directory(path: Any) -> Optional[Location]:
     return source if source.is_dir() else None
 
 
-def wrap_load_state(original_load_state: Callable) -> Callable:
+def wrap_load_state(original_load_state: Callable, configure_first: Callable[[Any], Any]) -> Callable:
     """``load_from_checkpoint``'s ``_load_state(cls, checkpoint, strict, **kwargs)``, running the model's
     ``configure_sharded_model`` hook before the weights load, as Lightning 2.2 runs ``configure_model``: layers the
     hook builds then receive their weights instead of being refused as unexpected keys. Outside a Trainer the hook's
-    ``wrap()`` calls wrap nothing."""
+    ``wrap()`` calls wrap nothing. The hook runs first thing in ``on_load_checkpoint``, which ``_load_state`` calls
+    between building the model and loading its weights: ``configure_first(cls)`` (``_patches.CONFIGURE_FIRST``) puts
+    ``configure_first`` below there for this call only, and takes it off exactly."""
 
     @functools.wraps(original_load_state)
     def _load_state(cls: Any, checkpoint: Dict[str, Any], strict: Any = None, **kwargs: Any) -> Any:
         if not _builds_in_hook(cls):
             return original_load_state(cls, checkpoint, strict, **kwargs)
-        # The hook runs first thing in on_load_checkpoint, which _load_state calls between building the model and
-        # loading its weights: that class attribute is swapped for this call only, and restored exactly.
-        patcher = Patcher()
-        patcher.apply(cls, {"on_load_checkpoint": Wrap(_configure_first)})
-        try:
+        with configure_first(cls):
             return original_load_state(cls, checkpoint, strict, **kwargs)
-        finally:
-            patcher.revert(cls)
 
     return _load_state
 
@@ -104,7 +99,8 @@ def _builds_in_hook(cls: Any) -> bool:
     return len([klass for klass in getattr(cls, "__mro__", ()) if "configure_sharded_model" in vars(klass)]) > 1
 
 
-def _configure_first(on_load_checkpoint: Any) -> Callable:
+def configure_first(on_load_checkpoint: Any) -> Callable:
+    """``on_load_checkpoint`` running ``configure_sharded_model`` first."""
     def hook(self: Any, checkpoint: Dict[str, Any]) -> Any:
         self.configure_sharded_model()
         return on_load_checkpoint(self, checkpoint)

@@ -1,11 +1,14 @@
 """The tables of what the shim puts on each patched class or module of Lightning 2.0.x, every flavour: both
 ``FSDPStrategy``s, ``Fabric``, the entry points that load, the full-file readers, ``ModelCheckpoint``, the training
-epoch loop. Each table names its target; its rows are built only when a flavour is patched (docs/behaviour.md).
+epoch loop, the checkpoint connector; and the one patch put on for a call only (``CallPatch``). Each table names its
+target; its rows are built only when a flavour is patched (docs/behaviour.md).
 """
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple
 
 from ._held import LoopHeld, ModuleHeld, StrategyHeld
-from ._patcher import Wrap
+from ._patcher import Patcher, Wrap
 from ._versions import FABRIC, TRAINER
 
 Rows = Mapping[str, Any]  # attribute -> replacement, or a Wrap built from the attribute it replaces
@@ -47,6 +50,24 @@ class PatchTable:
 
 
 TABLES: List[PatchTable] = []  # every table below, in the order status() names them
+
+
+class CallPatch:
+    """Rows put on an object only while one call runs, where the object is known only then (the user's class), and
+    taken off exactly as the call returns, however it ends."""
+
+    def __init__(self, target: str, build: Callable[[], Rows]) -> None:
+        self.target = target  # what it is put on, in words
+        self._build = build
+
+    @contextlib.contextmanager
+    def applied(self, target: Any) -> Iterator[None]:
+        patcher = Patcher()
+        patcher.apply(target, self._build())
+        try:
+            yield
+        finally:
+            patcher.revert(target)
 
 
 def patches(kind: str, module: str, cls: Optional[str] = None, held: Optional[type] = None) -> Callable[[Callable[[], Rows]], PatchTable]:
@@ -144,14 +165,25 @@ def CHECKPOINT_READER_ALIAS_PATCHES() -> Rows:
     return {"pl_load": Wrap(_lightning_reads.wrap_load)}
 
 
+def _configure_first_rows() -> Rows:
+    from .._lightning import _lightning_reads
+
+    return {"on_load_checkpoint": Wrap(_lightning_reads.configure_first)}
+
+
+# While load_from_checkpoint builds a LightningModule that builds layers in configure_sharded_model (inside
+# core.saving._load_state, below): that hook runs first thing in on_load_checkpoint, before the weights load
+CONFIGURE_FIRST = CallPatch("the LightningModule class load_from_checkpoint builds", _configure_first_rows)
+
+
 @patches(TRAINER, "core.saving")
 def LOAD_FROM_CHECKPOINT_PATCHES() -> Rows:
     from .._lightning import _lightning_reads
 
     return {
         **CHECKPOINT_READER_ALIAS_PATCHES.rows,
-        # layers built in configure_sharded_model exist before the weights load
-        "_load_state": Wrap(_lightning_reads.wrap_load_state),
+        # layers built in configure_sharded_model exist before the weights load (CONFIGURE_FIRST, for that call)
+        "_load_state": Wrap(functools.partial(_lightning_reads.wrap_load_state, configure_first=CONFIGURE_FIRST.applied)),
     }
 
 
