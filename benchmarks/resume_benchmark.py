@@ -737,7 +737,8 @@ import json, sys, time
 from pathlib import Path
 import torch.distributed.checkpoint
 from peak_rss import PeakRss
-from lightning_fsdp_resume import _consolidate, _reader, _whole_read
+from lightning_fsdp_resume._checkpoint import _reader, _whole_read
+from lightning_fsdp_resume._commands import _consolidate
 from lightning_fsdp_resume._storage import open_path
 src, dst, options = open_path(sys.argv[1], "read"), Path(sys.argv[2]), json.loads(sys.argv[3])
 index = _reader.index(src)
@@ -747,7 +748,7 @@ selected = _whole_read.select_weights(src, None)
 weights = [sizes[key] for keys in selected.keys.values() for key in keys if key in sizes]
 read_whole = options.pop("read_whole", False)
 if read_whole:
-    from lightning_fsdp_resume import _lightning_reads
+    from lightning_fsdp_resume._lightning import _lightning_reads
 with PeakRss() as phase:
     start = time.perf_counter()
     if read_whole:
