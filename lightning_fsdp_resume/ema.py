@@ -73,7 +73,7 @@ class ShardedEMA(*_callback_bases()):  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         strategy = trainer.strategy
-        if not _strategy.loads_with_this_package(strategy):
+        if not _strategy.patched(strategy):
             raise ValueError(
                 f"ShardedEMA averages the shards of the FSDPStrategy this package patches; this Trainer runs"
                 f" {type(strategy).__module__}.{type(strategy).__name__}, which it has not patched. Use"

@@ -60,8 +60,27 @@ def test_full_resume_is_bit_exact(reference, tmp_path, use_orig_params, wrap):
     assert (reference("full", use_orig_params, wrap=wrap) / "ckpt" / MID).is_file()
 
 
-@pytest.mark.xfail(NATIVE, strict=True, raises=raising(AssertionError, DIFFER),
-                   reason="native Lightning keeps no rank's RNG states, and one copy of buffers: the resumed states differ")
+KEEPS_NO_RANK_STATES = pytest.mark.xfail(
+    NATIVE, strict=True, raises=raising(AssertionError, DIFFER),
+    reason="native Lightning keeps no rank's RNG states, and one copy of buffers: the resumed states differ")
+
+
+def _every_rank_resumes(tmp_path: Path, state_dict_type: str, net: str, wrap: str, *args) -> None:
+    use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
+    skip_without_optimizer_state(use_orig_params)
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    worker(ref, *config(ref, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net, *args)
+    worker(resumed, *config(resumed, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net,
+           "--ckpt-path", ref / "ckpt" / MID, *args)
+    if net == "buffered":
+        saved = [load(ref / "out" / f"epoch1_rank{rank}.pt")["buffers"] for rank in (0, 1)]
+        assert any(name.endswith("running_mean") and stat.abs().sum() > 0 for name, stat in saved[0].items()), saved[0]
+        assert differences(saved[0], saved[1]), "the ranks' running statistics should differ: each sees its own batches"
+    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
+    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
+
+
+@KEEPS_NO_RANK_STATES
 @pytest.mark.parametrize("net, wrap", [("buffered", "policy"), ("buffered", "root"), ("dropout", "policy")])
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 def test_every_rank_resumes_its_own_buffers_and_random_state(tmp_path, state_dict_type, net, wrap):
@@ -69,18 +88,14 @@ def test_every_rank_resumes_its_own_buffers_and_random_state(tmp_path, state_dic
     Dropout's masks come from each rank's random number generator. The checkpoint holds both per rank, and
     every rank's weights, buffers and optimizer state after the resume equal the uninterrupted run's. With the root
     unit alone, the buffers are the root unit's, beside its one flat parameter."""
-    use_orig_params = FULL_USE_ORIG_PARAMS if state_dict_type == "full" else 0
-    skip_without_optimizer_state(use_orig_params)
-    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    worker(ref, *config(ref, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net)
-    worker(resumed, *config(resumed, state_dict_type, use_orig_params, wrap=wrap), "--max-epochs", EPOCHS, "--net", net,
-           "--ckpt-path", ref / "ckpt" / MID)
-    if net == "buffered":
-        saved = [load(ref / "out" / f"epoch1_rank{rank}.pt")["buffers"] for rank in (0, 1)]
-        assert any(name.endswith("running_mean") and stat.abs().sum() > 0 for name, stat in saved[0].items()), saved[0]
-        assert differences(saved[0], saved[1]), "the ranks' running statistics should differ: each sees its own batches"
-    assert_ranks_identical(ref / "out", "epoch1", resumed / "out", "start")
-    assert_ranks_identical(ref / "out", "final", resumed / "out", "final")
+    _every_rank_resumes(tmp_path, state_dict_type, net, wrap)
+
+
+@KEEPS_NO_RANK_STATES
+def test_a_subclass_of_the_strategy_resumes_every_ranks_buffers_and_random_state(tmp_path):
+    """A user's subclass of FSDPStrategy whose own save_checkpoint and load_checkpoint call the strategy's keeps and
+    restores every rank's states as FSDPStrategy itself does."""
+    _every_rank_resumes(tmp_path, "sharded", "buffered", "policy", "--strategy", "own-fsdp")
 
 
 @pytest.mark.skipif(NATIVE, reason="native Lightning reads no sharded directory outside FSDP")

@@ -9,19 +9,13 @@ from .. import _participants
 from . import _strategy
 
 
-def ours(trainer: Any) -> bool:
-    """Whether the Trainer's strategy is the package's FSDP one, whose saves and loads every rank makes (a collective
-    may run in them); elsewhere (DDP) rank 0 may save alone."""
-    return getattr(type(trainer.strategy), "save_checkpoint", None) is _strategy.save_checkpoint
-
-
 def wrap_dump_checkpoint(original: Callable) -> Callable:
     """The checkpoint as Lightning makes it, then each entry's state under its key."""
 
     @functools.wraps(original)
     def dump_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Dict:
         checkpoint = original(self, *args, **kwargs)
-        every_rank = ours(self.trainer)
+        every_rank = _strategy.patched(self.trainer.strategy)
         for entry in _participants.entries():
             state = entry.state(self.trainer, every_rank)
             if state is not None:
@@ -39,7 +33,7 @@ def wrap_resume_start(original: Callable) -> Callable:
     def resume_start(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         if self._loaded_checkpoint:
-            every_rank, where = ours(self.trainer), f"The checkpoint {str(self._ckpt_path)!r}"
+            every_rank, where = _strategy.patched(self.trainer.strategy), f"The checkpoint {str(self._ckpt_path)!r}"
             for entry in _participants.entries():
                 entry.loaded(self.trainer, self._loaded_checkpoint, where, every_rank)
 

@@ -243,9 +243,11 @@ def wrap_on_train_start(original_on_train_start: Callable) -> Callable:
     return on_train_start
 
 
-def loads_with_this_package(strategy: Any) -> bool:
-    """Whether ``strategy``'s class loads checkpoints with this module's ``load_checkpoint`` (patched, not unpatched)."""
-    return getattr(type(strategy), "load_checkpoint", None) is load_checkpoint
+def patched(strategy: Any) -> bool:
+    """Whether ``strategy`` is the FSDP strategy this module patches (patched, not unpatched), or a subclass of it, whose
+    own ``save_checkpoint`` or ``load_checkpoint`` may call this module's: every rank makes its saves and loads, so a
+    collective may run in them; elsewhere (DDP) rank 0 may save alone."""
+    return any(vars(cls).get("save_checkpoint") is save_checkpoint for cls in type(strategy).__mro__)
 
 
 class _TrainerLoad(_loading.Request):

@@ -67,7 +67,8 @@ class Entry:
     weights' layout: every rank's random states and buffers (``_rank_states``), the run's place in its data
     (``_epoch_loop``). Each registers itself (``register``) as its module is imported; the checkpoint connector's
     patches (``_lightning._connector``) ask every one as a checkpoint is made and as a Trainer call resumes from one.
-    ``ours``: the Trainer's strategy is the package's FSDP one, whose saves and loads every rank makes."""
+    ``ours``: the Trainer's strategy is the package's FSDP one or a subclass of it (``_strategy.patched``), whose saves
+    and loads every rank makes."""
 
     key: str  # its entry in the checkpoint
 

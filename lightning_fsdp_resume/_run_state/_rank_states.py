@@ -102,7 +102,7 @@ def restore_rng(states: List[Dict[str, Any]]) -> None:
     set_rng_state(states[rank_and_world_size()[0]]["rng"])
 
 
-class Entry(_participants.Entry):
+class RankStatesEntry(_participants.Entry):
     """``rank_states`` in the checkpoints of the package's FSDP strategy (``ours``: every rank saves, so ``gathered``
     may gather), taken from them as a Trainer call loads one. A fit restores this rank's buffers then and its random
     states as training starts: Lightning 2.0.x before 2.0.9 draws a random number between (``iter(dataloader)`` in
@@ -126,7 +126,7 @@ class Entry(_participants.Entry):
             restore_rng(states)
 
 
-_participants.register(Entry())
+_participants.register(RankStatesEntry())
 
 
 class RankStates:

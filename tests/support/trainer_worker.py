@@ -281,9 +281,19 @@ def activation_checkpointing(enabled: bool) -> dict:
     return {"activation_checkpointing_policy": {nn.Linear}} if TRAINER_UNDER_TEST.native else {"activation_checkpointing": [nn.Linear]}
 
 
+class OwnFSDPStrategy(FSDPStrategy):
+    """A user's subclass of FSDPStrategy whose own save and load call the strategy's (to log, say)."""
+
+    def save_checkpoint(self, *args, **kwargs):
+        return super().save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs):
+        return super().load_checkpoint(*args, **kwargs)
+
+
 def make_trainer(args, max_epochs: int):
     """A Trainer as the arguments ask, with a new strategy and new callbacks (checkpoints into --ckpt-dir)."""
-    if args.strategy == "fsdp":
+    if args.strategy in ("fsdp", "own-fsdp"):
         enable_cpu_fsdp()
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -293,7 +303,7 @@ def make_trainer(args, max_epochs: int):
         from torch.distributed.fsdp import ShardingStrategy
 
         sharding = {"sharding_strategy": ShardingStrategy[args.sharding_strategy]} if args.sharding_strategy else {}
-        strategy = FSDPStrategy(
+        strategy = (OwnFSDPStrategy if args.strategy == "own-fsdp" else FSDPStrategy)(
             **checkpoint_kind,
             use_orig_params=bool(args.use_orig_params),
             **wrapping,
@@ -394,7 +404,8 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", type=directory, required=True, help="a directory or a URL")
     parser.add_argument("--fsspec-conf", default=None, help="JSON for fsspec.config.conf: a store's endpoint and keys")
     parser.add_argument("--cut", default=None, help="POINT:RANK:SAVE:PORT, cut the network to the S3 server there")
-    parser.add_argument("--strategy", choices=["fsdp", "single", "ddp"], default="fsdp")
+    parser.add_argument("--strategy", choices=["fsdp", "own-fsdp", "single", "ddp"], default="fsdp",
+                        help="own-fsdp: a subclass of FSDPStrategy of the user's, see OwnFSDPStrategy")
     parser.add_argument("--state-dict-type", default="sharded")
     parser.add_argument("--use-orig-params", type=int, default=0)
     parser.add_argument("--optimizers", type=int, default=1)
