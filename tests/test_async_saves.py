@@ -171,7 +171,8 @@ def test_fabric_saves_in_the_background_with_async_save_and_resumes_exactly(tmp_
 def test_a_later_save_in_the_background_copies_into_the_host_tensors_of_the_last_one(process_group):
     """A later save's stall is its copy: the same views of the shards (``_shard_views``) are copied into the same kept
     host buffers, whose host ``ShardedTensor``s serve again; what they hold is the state at that save, a copy that
-    later steps leave as it is."""
+    later steps leave as it is. Each shard lies over its own bytes of a buffer alone, so torch DCP writes it as it is
+    (it copies a tensor whose storage holds more first)."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -200,6 +201,11 @@ def test_a_later_save_in_the_background_copies_into_the_host_tensors_of_the_last
     expected = values(_saving.model_state(model, "sharded", offload=False))
     later = copied()
     assert all(later[name] is first[name] for name in first), "the host ShardedTensors were built again"
+    buffers = [(buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes) for buffer in staging.this_save.values()]
+    for name, value in later.items():
+        shard = value.local_shards()[0].tensor
+        assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size(), f"{name}: a storage with more"
+        assert any(start <= shard.data_ptr() < end for start, end in buffers), f"{name}: not in a kept buffer"
     assert_identical(expected, values(later), "the later save's copy")
     step()
     assert_identical(expected, values(later), "the copy after another step")
