@@ -337,3 +337,79 @@ def test_a_checkpoint_hashed_item_by_item_loads_one_mapped_item_at_a_time(tmp_pa
     flipped(directory / shard, offset + length // 2)
     with pytest.raises(DamagedCheckpointError, match=rf"{shard}' is damaged: bytes {offset}-{offset + length} \(the entry 'big'\)"):
         _loaded_mapping(directory, state, monkeypatch)
+
+
+def _torch_keeps_save_settings_per_thread() -> bool:
+    """Whether this torch lets one thread turn off torch.save's CRC-32s without changing another's (asked of torch)."""
+    import threading
+
+    import torch
+
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return False
+    if not hasattr(torch.serialization, "get_crc32_options"):
+        return False
+    seen = []
+
+    def other() -> None:
+        with config.patch({"save.compute_crc32": False}):
+            seen.append(torch.serialization.get_crc32_options())
+            event.set()
+            back.wait()
+
+    event, back = threading.Event(), threading.Event()
+    thread = threading.Thread(target=other)
+    thread.start()
+    event.wait()
+    seen.append(torch.serialization.get_crc32_options())
+    back.set()
+    thread.join()
+    return seen == [False, True]
+
+
+@streaming_dcp
+@patched_only
+def test_a_sharded_save_writes_no_zip_crc32_that_no_loader_reads_and_only_in_its_own_thread(tmp_path, monkeypatch):
+    """Where torch keeps its save settings per thread (2.13), a sharded save's items are torch.save records without
+    their CRC-32s (no torch release's loader reads them; the checkpoint's own checksums cover every byte), which costs
+    the writing thread less; a torch.save another thread makes meanwhile keeps its CRC-32s. The checkpoint loads
+    exactly. Elsewhere every record keeps torch's CRC-32."""
+    import io
+    import pickle
+    import threading
+    import zipfile
+
+    import torch
+
+    per_thread = _torch_keeps_save_settings_per_thread()
+    original, started, other_saved, other_crcs, saved = torch.save, threading.Event(), threading.Event(), [], []
+
+    def save(obj, f, *args, **kwargs):  # the save's first item waits for another thread's torch.save
+        if threading.current_thread() is not threading.main_thread() and not started.is_set():
+            started.set()
+            other_saved.wait(timeout=60)
+        return original(obj, f, *args, **kwargs)
+
+    directory = tmp_path / "ckpt"
+    monkeypatch.setattr(torch, "save", save)
+    saving = threading.Thread(target=lambda: saved.append(_large_state_saved(directory, monkeypatch, whole_items=False)))
+    saving.start()
+    assert started.wait(timeout=60), "the save wrote no item through torch.save"
+    written = io.BytesIO()
+    original(torch.arange(10), written)
+    other_crcs = [info.CRC for info in zipfile.ZipFile(written).infolist()]
+    other_saved.set()
+    saving.join()
+    monkeypatch.setattr(torch, "save", original)
+    assert other_crcs and all(other_crcs), f"the other thread's records lost their CRC-32s: {other_crcs}"
+    (shard,) = [name for name in manifest(directory) if name.endswith(".distcp")]
+    data, crcs = (directory / shard).read_bytes(), []
+    for info in pickle.loads((directory / ".metadata").read_bytes()[:index_end(directory)]).storage_data.values():
+        crcs += [record.CRC for record in zipfile.ZipFile(io.BytesIO(data[info.offset:info.offset + info.length])).infolist()]
+    assert len(crcs) >= 2 * 3, crcs  # two items, each a zip of several records
+    assert (not any(crcs)) if per_thread else all(crcs), f"per-thread settings: {per_thread}; the records' CRC-32s: {crcs}"
+    (state,) = saved
+    loaded, _ = _loaded_mapping(directory, state, monkeypatch)
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
