@@ -88,6 +88,7 @@ def rank_main(args: argparse.Namespace) -> None:
         def __init__(self, steps: int, save: str = "none", path: str = "") -> None:
             self.steps, self.save, self.path = steps, save, path
             self.start: Optional[float] = None
+            self.cpu = 0.0  # the process's CPU time (every thread's) at the window's start
             self.record: Dict[str, Any] = {"stamps": [], "updates": [], "stall": None, "written": None, "saved_at": None,
                                            "in_background": None}
 
@@ -102,7 +103,7 @@ def rank_main(args: argparse.Namespace) -> None:
             if step == 0:
                 host_buffers_ahead(trainer.strategy)  # a save in the background finds its host buffers made
                 trainer.strategy.barrier()
-                self.start = time.perf_counter()
+                self.start, self.cpu = time.perf_counter(), time.process_time()
             if step <= 0:
                 return
             if step == args.save_at and self.save != "none":
@@ -116,6 +117,9 @@ def rank_main(args: argparse.Namespace) -> None:
             if step == self.steps:
                 shim.wait_for_saves(trainer)
                 self.record["window"] = self.now()
+                self.record["cpu"] = time.process_time() - self.cpu
+                if self.record["in_background"]:
+                    self.record["write cpu"] = writing[-1]
 
     # One model for every fit: torch's FSDP keeps each deleted FSDP module's flat shards alive (torch 2.13 on the CPU,
     # without Lightning too), so a new model a fit would grow every rank by its shard each fit. A model keeps its FSDP
@@ -123,6 +127,20 @@ def rank_main(args: argparse.Namespace) -> None:
     # no average attached), so that each fit's first save is a first save.
     model = Model(WIDTH, layers, OUTPUTS)
     state = full_state_bytes(model)  # before FSDP holds only this rank's shard of it
+    writing: List[float] = []  # the CPU time of each save in the background's writing thread, in its write
+    start_writing = _background.start
+
+    def timed_start(strategy, path, write, publish) -> None:
+        def timed_write():
+            begun = time.thread_time()
+            try:
+                return write()
+            finally:
+                writing.append(time.thread_time() - begun)
+
+        start_writing(strategy, path, timed_write, publish)
+
+    _background.start = timed_start
 
     def fit(steps: int, save: str = "none", path: str = "", every_n: int = 0) -> Dict[str, Any]:
         L.seed_everything(0, workers=False)
@@ -198,7 +216,7 @@ def raw_write(directory: Path, rank: int, sizes: Sequence[int], barrier) -> Dict
     directory.mkdir(parents=True, exist_ok=True)
     block = os.urandom(_RAW_BLOCK)  # not zeros, which a file system may store without writing
     barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for index, size in enumerate(sizes):
         with open(directory / f"raw-{rank}-{index}", "wb", buffering=0) as handle:
             for offset in range(0, size, _RAW_BLOCK):
@@ -209,7 +227,7 @@ def raw_write(directory: Path, rank: int, sizes: Sequence[int], barrier) -> Dict
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-    return {"seconds": time.perf_counter() - start, "bytes": sum(sizes), "files": len(sizes)}
+    return {"seconds": time.perf_counter() - start, "cpu": time.thread_time() - cpu, "bytes": sum(sizes), "files": len(sizes)}
 
 
 # --- the launch and the records ---------------------------------------------------------------------------------------
@@ -232,7 +250,8 @@ def slowest(windows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One window of every rank as the slowest rank's: its length, each step's, the save's stall and when the save was in
     place (from the save's call), and which steps began while it was written on some rank (``during``)."""
     steps = [max(step) for step in zip(*(_durations(w["stamps"]) for w in windows))]
-    combined: Dict[str, Any] = {"window": max(w["window"] for w in windows), "steps": steps, "during": [False] * len(steps)}
+    combined: Dict[str, Any] = {"window": max(w["window"] for w in windows), "steps": steps, "during": [False] * len(steps),
+                                "cpu": sum(w["cpu"] for w in windows)}  # the CPU every rank took: the cores they share
     if windows[0]["stall"] is not None:
         combined.update(stall=max(w["stall"] for w in windows), written=max(w["written"] - w["saved_at"] for w in windows),
                         in_background=all(w["in_background"] for w in windows),
@@ -251,15 +270,18 @@ def size_record(result: Dict[str, Any]) -> Dict[str, Any]:
         per_rank = [rank["trials"][index] for rank in ranks]
         windows = {save: slowest([r[save] for r in per_rank]) for save in SAVES}
         shadow = {save: windows[save]["window"] - windows["none"]["window"] for save in SAVES[1:]}
+        cpu = {save: windows[save]["cpu"] - windows["none"]["cpu"] for save in SAVES[1:]}
         step = statistics.median(windows["none"]["steps"])
         ema = {n: {"updates": max(len(r["ema"][n]["updates"]) for r in per_rank),
                    "update": max(statistics.median(r["ema"][n]["updates"]) if r["ema"][n]["updates"] else 0.0 for r in per_rank),
                    "per step": max(sum(r["ema"][n]["updates"]) for r in per_rank) / ranks[0]["ema steps"]}
                for n in per_rank[0]["ema"]}
-        raw = {"seconds": max(r["raw"]["seconds"] for r in per_rank), "bytes": sum(r["raw"]["bytes"] for r in per_rank),
-               "files": sum(r["raw"]["files"] for r in per_rank)}
+        raw = {"seconds": max(r["raw"]["seconds"] for r in per_rank), "cpu": sum(r["raw"]["cpu"] for r in per_rank),
+               "bytes": sum(r["raw"]["bytes"] for r in per_rank), "files": sum(r["raw"]["files"] for r in per_rank)}
+        write_cpu = sum(r["background"].get("write cpu", 0.0) for r in per_rank)  # none where it ran in the foreground
         during = [s for s, flag in zip(windows["background"]["steps"], windows["background"]["during"]) if flag]
-        trials.append({"windows": windows, "shadow": shadow, "step": step, "during": during, "raw": raw, "ema": ema,
+        trials.append({"windows": windows, "shadow": shadow, "cpu": cpu, "step": step, "during": during, "raw": raw, "ema": ema,
+                       "write cpu": write_cpu,
                        "saved bytes": sum(size for _, size in per_rank[0]["files"])})
     return {"size": result["size"], "layers": ranks[0]["layers"], "state": ranks[0]["trials"][0]["none"]["state"],
             "ema steps": ranks[0]["ema steps"], "torch": ranks[0]["torch"], "trials": trials, "ranks": ranks}
@@ -284,17 +306,19 @@ def window_rows(size: Dict[str, Any]) -> List[Dict[str, Any]]:
     for save in SAVES:
         windows = [trial["windows"][save] for trial in trials]
         row: Dict[str, Any] = {"size": size["size"], "save": save, "windows": [w["window"] for w in windows]}
-        cells = {"state": _state(size), "save": save, "window s": _seconds(row["windows"])}
+        row["window cpu"] = [w["cpu"] for w in windows]
+        cells = {"state": _state(size), "save": save, "window s": _seconds(row["windows"]), "CPU s": _seconds(row["window cpu"])}
         if save == "none":
             row["step"] = [trial["step"] for trial in trials]
-            cells.update({"shadow s": "—", "stall s": "—", "in place after s": "—", "steps during the write": "—",
+            cells.update({"shadow s": "—", "CPU shadow s": "—", "stall s": "—", "in place after s": "—", "steps during the write": "—",
                           "median step ms": "without a save: " + _ms(row["step"])})
         else:
-            row.update(shadow=[trial["shadow"][save] for trial in trials], stall=[w["stall"] for w in windows],
+            row.update(shadow=[trial["shadow"][save] for trial in trials], cpu=[trial["cpu"][save] for trial in trials],
+                       stall=[w["stall"] for w in windows],
                        written=[w["written"] for w in windows], during=[sum(w["during"]) for w in windows])
             row["in background"] = all(w["in_background"] for w in windows)
             row["outlasted"] = sum(w["outlasted"] for w in windows)
-            cells.update({"shadow s": _seconds(row["shadow"]), "stall s": _seconds(row["stall"]),
+            cells.update({"shadow s": _seconds(row["shadow"]), "CPU shadow s": _seconds(row["cpu"]), "stall s": _seconds(row["stall"]),
                           "in place after s": _seconds(row["written"]),
                           "steps during the write": f"{statistics.median(row['during']):g} of {len(windows[0]['steps'])}"})
             cells["median step ms"] = "—"
@@ -315,10 +339,13 @@ def disk_row(size: Dict[str, Any]) -> Dict[str, Any]:
     trials = size["trials"]
     sync, raw = [t["windows"]["sync"]["stall"] for t in trials], [t["raw"]["seconds"] for t in trials]
     stall = [t["windows"]["background"]["stall"] for t in trials]
+    write_cpu, raw_cpu = [t["write cpu"] for t in trials], [t["raw"]["cpu"] for t in trials]
     cells = {"state": _state(size), "checkpoint MB": f"{trials[0]['saved bytes'] / 1e6:.1f} in {trials[0]['raw']['files']} files",
-             "sync save s": _seconds(sync), "raw write s": _seconds(raw), "first background stall s": _seconds(stall)}
-    return {"cells": cells, "size": size["size"], "sync": sync, "raw": raw, "stall": stall,
-            "bytes": [t["raw"]["bytes"] for t in trials]}
+             "sync save s": _seconds(sync), "raw write s": _seconds(raw), "first background stall s": _seconds(stall),
+             "background write CPU s": _seconds(write_cpu), "raw write CPU s": _seconds(raw_cpu),
+             "write CPU / raw": f"{statistics.median(write_cpu) / statistics.median(raw_cpu):.2f}"}
+    return {"cells": cells, "size": size["size"], "sync": sync, "raw": raw, "stall": stall, "write cpu": write_cpu,
+            "raw cpu": raw_cpu, "bytes": [t["raw"]["bytes"] for t in trials]}
 
 
 def ema_rows(size: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -379,10 +406,12 @@ def report(records: Dict[str, Any], ranks: int) -> str:
         f"The write's shadow: {ranks} CPU ranks (gloo), torch {first['torch']}, {os.cpu_count()} CPU cores; medians of {trials} trials"
         " (min–max), the slowest rank's. Each trial runs windows of the same steps back to back: without a save, with a"
         " synchronous save, with one in the background (AsyncCheckpointIO) lasting until it is in place. Shadow: the window less"
-        " the same trial's window without a save; stall: how long the save call blocked the step.", "",
+        " the same trial's window without a save; CPU: what every rank's process took in the window (each thread's), and its"
+        " shadow that less the same trial's without a save; stall: how long the save call blocked the step.", "",
         cells_table(records["windows"]), "",
         f"The synchronous save against the disk's write of the same files by as many processes ({ranks}), fresh and fsynced;"
-        " and the first background save's stall.", "",
+        " the first background save's stall; and the CPU time a save in the background's writing threads took in their"
+        " write (every rank's), against the disk's write's.", "",
         cells_table(records["disk"]), "",
         "ShardedEMA: the callback's updates in a window of steps, per step, against a step without it (the window without a"
         " save's median step).", "",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support.flavours import PATCHABLE_TRAINERS
+from support.flavours import PATCHABLE_TRAINERS, TORCH
 from support.marks import ORIG_PARAMS_OPTIMIZER_STATE_ON_CPU, S3_PACKAGES, importable, long_runs, needs_cpu_fsdp, needs_patched_trainer
 from support.ranks import _run
 
@@ -343,7 +343,8 @@ def _slowest(windows):
 @needs_patched_trainer
 def test_the_save_shadow_benchmark_takes_each_shadow_from_its_own_trials_windows(shadow_run):
     """Each trial's windows are the slowest rank's, each shadow that window less the same trial's window without a save,
-    the steps during the write those that began between the save's call and its being in place; each row shows the
+    the steps during the write those that began between the save's call and its being in place; a window's CPU is what
+    every rank's process took in it, its CPU shadow that less the same trial's without a save; each row shows the
     medians of those figures over the trials, with their spread."""
     _, records = shadow_run
     (size,) = records["sizes"]
@@ -354,8 +355,10 @@ def test_the_save_shadow_benchmark_takes_each_shadow_from_its_own_trials_windows
             window, steps, during = _slowest([r[save] for r in per_rank])
             shown = trial["windows"][save]
             assert (shown["window"], shown["steps"], shown["during"]) == (window, steps, during) and len(steps) == 4, save
+            assert all(0 < r[save]["cpu"] for r in per_rank) and shown["cpu"] == sum(r[save]["cpu"] for r in per_rank), save
             if save != "none":
                 assert trial["shadow"][save] == window - trial["windows"]["none"]["window"], save
+                assert trial["cpu"][save] == shown["cpu"] - trial["windows"]["none"]["cpu"], save
                 assert shown["stall"] == max(r[save]["stall"] for r in per_rank), save
                 assert shown["written"] == max(r[save]["written"] - r[save]["saved_at"] for r in per_rank), save
         assert not any(trial["windows"]["sync"]["during"]) and not any(trial["windows"]["background"]["during"][:1])
@@ -367,11 +370,13 @@ def test_the_save_shadow_benchmark_takes_each_shadow_from_its_own_trials_windows
         trials = size["trials"]
         assert row["windows"] == [t["windows"][row["save"]]["window"] for t in trials]
         assert _shows_median_and_spread(row["cells"]["window s"], row["windows"]), row
+        assert row["window cpu"] == [t["windows"][row["save"]]["cpu"] for t in trials]
+        assert _shows_median_and_spread(row["cells"]["CPU s"], row["window cpu"]), row
         if row["save"] == "none":
             assert row["step"] == [t["step"] for t in trials] and _shows_median_and_spread(row["cells"]["median step ms"], row["step"], 1e3)
             continue
-        for key, cell in (("shadow", "shadow s"), ("stall", "stall s"), ("written", "in place after s")):
-            figures = [t["shadow"][row["save"]] if key == "shadow" else t["windows"][row["save"]][key] for t in trials]
+        for key, cell in (("shadow", "shadow s"), ("cpu", "CPU shadow s"), ("stall", "stall s"), ("written", "in place after s")):
+            figures = [t[key][row["save"]] if key in ("shadow", "cpu") else t["windows"][row["save"]][key] for t in trials]
             assert row[key] == figures and _shows_median_and_spread(row["cells"][cell], figures), (row, key)
         counts = [sum(t["windows"][row["save"]]["during"]) for t in trials]
         assert row["during"] == counts and row["cells"]["steps during the write"] == f"{statistics.median(counts):g} of 4", row
@@ -384,7 +389,8 @@ def test_the_save_shadow_benchmark_takes_each_shadow_from_its_own_trials_windows
 
 @needs_patched_trainer
 def test_the_save_shadow_benchmark_rows_of_the_disk_and_of_shardedema_agree_with_their_figures(shadow_run):
-    """The raw write is as many files and bytes as the synchronous save wrote, its time the slowest rank's; ShardedEMA's
+    """The raw write is as many files and bytes as the synchronous save wrote, its time the slowest rank's, its CPU and
+    the background save's writing threads' every rank's; ShardedEMA's
     window holds steps / n updates for each n, its time per step is the slowest rank's total over the window's steps, and
     its share of a step the median of that over the median step without a save."""
     _, records = shadow_run
@@ -394,8 +400,11 @@ def test_the_save_shadow_benchmark_rows_of_the_disk_and_of_shardedema_agree_with
         per_rank = [rank["trials"][index] for rank in size["ranks"]]
         files = per_rank[0]["files"]
         assert all(r["files"] == files for r in per_rank) and "meta.pt" in dict(files)
-        assert trial["raw"] == {"seconds": max(r["raw"]["seconds"] for r in per_rank), "bytes": sum(size for _, size in files),
-                                "files": len(files)}
+        assert trial["raw"] == {"seconds": max(r["raw"]["seconds"] for r in per_rank), "cpu": sum(r["raw"]["cpu"] for r in per_rank),
+                                "bytes": sum(size for _, size in files), "files": len(files)}
+        writes = [r["background"].get("write cpu") for r in per_rank]  # torch < 2.3 saves in the foreground: no thread
+        assert all(w is not None and w > 0 for w in writes) if TORCH >= (2, 3) else writes == [None, None], writes
+        assert trial["write cpu"] == sum(w or 0.0 for w in writes)
         assert trial["saved bytes"] == trial["raw"]["bytes"] and [r["raw"]["files"] for r in per_rank] == [len(files) - 1, 1]
         for n, ema in trial["ema"].items():
             updates = [r["ema"][n]["updates"] for r in per_rank]
@@ -403,8 +412,11 @@ def test_the_save_shadow_benchmark_rows_of_the_disk_and_of_shardedema_agree_with
             assert ema["update"] == max(statistics.median(u) for u in updates) and ema["per step"] == max(sum(u) for u in updates) / 4, n
     assert (disk["sync"], disk["raw"]) == ([t["windows"]["sync"]["stall"] for t in trials], [t["raw"]["seconds"] for t in trials])
     assert disk["stall"] == [t["windows"]["background"]["stall"] for t in trials]
-    for key, cell in (("sync", "sync save s"), ("raw", "raw write s"), ("stall", "first background stall s")):
+    assert (disk["write cpu"], disk["raw cpu"]) == ([t["write cpu"] for t in trials], [t["raw"]["cpu"] for t in trials])
+    for key, cell in (("sync", "sync save s"), ("raw", "raw write s"), ("stall", "first background stall s"),
+                      ("write cpu", "background write CPU s"), ("raw cpu", "raw write CPU s")):
         assert _shows_median_and_spread(disk["cells"][cell], disk[key]), (disk, key)
+    assert _shows(disk["cells"]["write CPU / raw"], statistics.median(disk["write cpu"]) / statistics.median(disk["raw cpu"]))
     assert disk["cells"]["checkpoint MB"] == f"{trials[0]['saved bytes'] / 1e6:.1f} in {trials[0]['raw']['files']} files"
     assert [row["every"] for row in records["ema"]] == [1, 2] and size["ema steps"] == 4
     for row in records["ema"]:
